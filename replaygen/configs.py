@@ -1,0 +1,93 @@
+"""Kernel launch configurations, per kernel kind and batch bucket.
+
+Until a tuning record exists for a GPU, `build --allow-default` uses
+`default_configs`: hand-picked values documented here.
+
+- baseline/replay decode, materialize, load: one program per
+  (value block, head, batch row); `block_v` value rows of the state each,
+  the whole key dimension in one tile.
+- replay decode also picks the route of non-flush steps (output-only reads
+  the checkpoint at the query; state-and-output rebuilds the state first) and
+  the flush threshold: a sequence flushes when its buffer would hold
+  `flush_at` entries after the step (1 = flush every step = the baseline's
+  traffic; the capacity L = the least traffic at large batch).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from replaygen.errors import UnsupportedShapeError
+from replaygen.spec.model import TargetShape
+
+
+class KernelKind(enum.Enum):
+    BASELINE_DECODE = "baseline_decode"
+    REPLAY_DECODE = "replay_decode"
+    MATERIALIZE = "materialize"
+    LOAD = "load"
+
+
+class Route(enum.Enum):
+    OUTPUT_ONLY = "output_only"
+    STATE_AND_OUTPUT = "state_and_output"
+
+
+# Batch-size buckets a dispatch table distinguishes; the last one is open-ended.
+BATCH_BUCKETS: tuple[int, ...] = (1, 8, 32, 128, 256, 512)
+
+
+@dataclass(frozen=True, kw_only=True)
+class KernelConfig:
+    block_v: int
+    num_warps: int = 4
+    num_stages: int = 1
+    route: Route = Route.OUTPUT_ONLY  # replay decode only
+    flush_at: int = 0  # replay decode only; 0 means the capacity L
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "block_v": self.block_v,
+            "num_warps": self.num_warps,
+            "num_stages": self.num_stages,
+            "route": self.route.value,
+            "flush_at": self.flush_at,
+        }
+
+
+@dataclass(frozen=True)
+class BucketConfig:
+    """The config used for batch sizes up to `max_batch` (None: any larger batch)."""
+
+    max_batch: int | None
+    config: KernelConfig
+
+
+def validate_config(kind: KernelKind, shape: TargetShape, config: KernelConfig) -> None:
+    """Reject configs no kernel can run, before anything is compiled."""
+    if config.block_v < 1 or config.block_v & (config.block_v - 1):
+        raise UnsupportedShapeError(f"{kind.value}: block_v={config.block_v} must be a power of two")
+    if config.block_v > max(16, _next_pow2(shape.value_dim)):
+        raise UnsupportedShapeError(f"{kind.value}: block_v={config.block_v} exceeds value_dim={shape.value_dim} rounded up")
+    if config.num_warps not in (1, 2, 4, 8, 16):
+        raise UnsupportedShapeError(f"{kind.value}: num_warps={config.num_warps} must be 1, 2, 4, 8 or 16")
+    if not 1 <= config.num_stages <= 4:
+        raise UnsupportedShapeError(f"{kind.value}: num_stages={config.num_stages} must be 1..4")
+    if not 0 <= config.flush_at <= shape.capacity:
+        raise UnsupportedShapeError(f"{kind.value}: flush_at={config.flush_at} must be 0 (= L) or 1..L={shape.capacity}")
+
+
+def default_configs(kind: KernelKind, shape: TargetShape) -> tuple[BucketConfig, ...]:
+    """Hand-picked defaults for one kernel kind (used when no tuning record is applied)."""
+    block_v = min(16, _next_pow2(shape.value_dim))
+    if kind is KernelKind.REPLAY_DECODE:
+        return (
+            BucketConfig(1, KernelConfig(block_v=block_v, num_warps=4, flush_at=1)),
+            BucketConfig(None, KernelConfig(block_v=block_v, num_warps=4, flush_at=0)),
+        )
+    return (BucketConfig(None, KernelConfig(block_v=block_v, num_warps=4)),)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())

@@ -1,0 +1,182 @@
+"""Planning: spec + target shape + configs -> everything a template needs, decided in Python.
+
+Templates only read a `ModulePlan`; every choice (which inputs exist, which
+transforms run, buffer layout, constexpr sizes, dispatch tables) is made here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from replaygen.configs import BucketConfig, KernelConfig, KernelKind, validate_config
+from replaygen.errors import UnsupportedShapeError
+from replaygen.spec.model import (
+    CacheField,
+    DecayForm,
+    DecayGranularity,
+    DType,
+    QueryScale,
+    Spec,
+    StateLayout,
+    TargetShape,
+    UpdateKind,
+    VectorTransform,
+)
+
+TORCH_DTYPES = {DType.FLOAT32: "torch.float32", DType.BFLOAT16: "torch.bfloat16", DType.FLOAT16: "torch.float16"}
+
+
+@dataclass(frozen=True)
+class BufferField:
+    """One ring-buffer tensor of the replay state: `[slots, rows, capacity, width]`."""
+
+    field: CacheField
+    attr: str  # attribute name on the generated ReplayState
+    per_key_head: bool  # rows = key heads (else heads)
+    width: int  # entries' trailing size (1 for per-head scalars)
+    dtype: DType | None  # None: the activation dtype chosen at allocation
+
+
+@dataclass(frozen=True)
+class TensorArg:
+    """A per-token input or weight of the generated API, with its logical shape."""
+
+    name: str
+    shape: tuple[str, ...]  # symbols, e.g. ("batch", "H", "P")
+    sizes: tuple[int, ...]  # sizes of the non-batch dims
+    optional: bool = False
+
+
+@dataclass(frozen=True)
+class ModulePlan:
+    spec: Spec
+    shape: TargetShape
+    gpu: str
+    configs: dict[KernelKind, tuple[BucketConfig, ...]]
+    config_source: str  # "defaults" or the tuning record it came from
+    # sizes
+    block_k: int
+    block_l: int
+    state_stride_v: int
+    state_stride_k: int
+    # recurrence switches
+    channel_decay: bool
+    decay_from_preactivation: bool
+    has_direct_decay: bool
+    weight_kind: str  # "decay_dt" | "sigmoid" | "one"
+    has_direct_weight: bool
+    delta_rule: bool
+    key_l2norm: bool
+    query_l2norm: bool
+    key_eps: float
+    query_eps: float
+    query_scale: float  # 1.0 when unscaled
+    has_skip: bool
+    has_gate: bool
+    gate_optional: bool
+    # API
+    step_inputs: tuple[TensorArg, ...]
+    weights: tuple[TensorArg, ...]
+    buffers: tuple[BufferField, ...]
+
+    @property
+    def module_name(self) -> str:
+        return f"{self.spec.name}_{self.shape.ident}"
+
+    def config_table(self, kind: KernelKind) -> tuple[BucketConfig, ...]:
+        return self.configs[kind]
+
+
+def plan_module(
+    spec: Spec,
+    shape: TargetShape,
+    gpu: str,
+    configs: dict[KernelKind, tuple[BucketConfig, ...]],
+    config_source: str,
+) -> ModulePlan:
+    """Derive the rendering plan of one generated module (all kernels of one shape)."""
+    for kind, table in configs.items():
+        if not table or table[-1].max_batch is not None:
+            raise UnsupportedShapeError(f"{kind.value}: a dispatch table must end with an open-ended bucket")
+        for bucket in table:
+            validate_config(kind, shape, bucket.config)
+    missing = set(KernelKind) - set(configs)
+    if missing:
+        raise UnsupportedShapeError(f"no configs for kernels: {', '.join(sorted(k.value for k in missing))}")
+    d = spec.dims
+    channel = spec.decay.granularity is DecayGranularity.CHANNEL
+    decay_shape = ("batch", d.heads, d.key_dim) if channel else ("batch", d.heads)
+    decay_sizes = (shape.heads, shape.key_dim) if channel else (shape.heads,)
+    inputs = [
+        TensorArg(spec.inputs.value, ("batch", d.heads, d.value_dim), (shape.heads, shape.value_dim)),
+        TensorArg(spec.inputs.key, ("batch", d.key_heads, d.key_dim), (shape.key_heads, shape.key_dim)),
+        TensorArg(spec.inputs.query, ("batch", d.key_heads, d.key_dim), (shape.key_heads, shape.key_dim)),
+        TensorArg(spec.decay.input, decay_shape, decay_sizes, optional=spec.decay.direct_input is not None),
+    ]
+    if spec.decay.direct_input:
+        inputs.append(TensorArg(spec.decay.direct_input, decay_shape, decay_sizes, optional=True))
+    if spec.update.weight_input:
+        optional = spec.update.weight_direct_input is not None
+        inputs.append(TensorArg(spec.update.weight_input, ("batch", d.heads), (shape.heads,), optional=optional))
+    if spec.update.weight_direct_input:
+        inputs.append(TensorArg(spec.update.weight_direct_input, ("batch", d.heads), (shape.heads,), optional=True))
+    if spec.readout.gate:
+        inputs.append(TensorArg(spec.readout.gate.input, ("batch", d.heads, d.value_dim), (shape.heads, shape.value_dim), optional=spec.readout.gate.optional))
+    weights = []
+    if spec.decay.rate:
+        weights.append(TensorArg(spec.decay.rate, (d.heads,), (shape.heads,)))
+    if spec.decay.bias:
+        bias_shape = (d.heads, d.key_dim) if channel else (d.heads,)
+        weights.append(TensorArg(spec.decay.bias, bias_shape, (shape.heads, shape.key_dim) if channel else (shape.heads,)))
+    if spec.readout.skip:
+        weights.append(TensorArg(spec.readout.skip, (d.heads,), (shape.heads,)))
+    value_key = spec.state.layout is StateLayout.VALUE_KEY
+    return ModulePlan(
+        spec=spec,
+        shape=shape,
+        gpu=gpu,
+        configs=dict(configs),
+        config_source=config_source,
+        block_k=_next_pow2(shape.key_dim),
+        block_l=_next_pow2(shape.capacity),
+        state_stride_v=shape.key_dim if value_key else 1,
+        state_stride_k=1 if value_key else shape.value_dim,
+        channel_decay=channel,
+        decay_from_preactivation=spec.decay.form is DecayForm.NEG_EXP_SOFTPLUS,
+        has_direct_decay=spec.decay.direct_input is not None,
+        weight_kind=spec.update.weight.value,
+        has_direct_weight=spec.update.weight_direct_input is not None,
+        delta_rule=spec.update.kind is UpdateKind.DELTA,
+        key_l2norm=spec.key.transform is VectorTransform.L2NORM,
+        query_l2norm=spec.query.transform is VectorTransform.L2NORM,
+        key_eps=spec.key.eps,
+        query_eps=spec.query.eps,
+        query_scale=shape.key_dim**-0.5 if spec.query.scale is QueryScale.INV_SQRT_KEY_DIM else 1.0,
+        has_skip=spec.readout.skip is not None,
+        has_gate=spec.readout.gate is not None,
+        gate_optional=spec.readout.gate is not None and spec.readout.gate.optional,
+        step_inputs=tuple(inputs),
+        weights=tuple(weights),
+        buffers=_buffers(spec, shape),
+    )
+
+
+def _buffers(spec: Spec, shape: TargetShape) -> tuple[BufferField, ...]:
+    channel = spec.decay.granularity is DecayGranularity.CHANNEL
+    fields = []
+    for cached in spec.cache:
+        f = cached.field
+        if f in (CacheField.VALUE, CacheField.CORRECTED_VALUE):
+            fields.append(BufferField(f, "buf_value", False, shape.value_dim, cached.dtype))
+        elif f is CacheField.KEY:
+            fields.append(BufferField(f, "buf_key", True, shape.key_dim, cached.dtype))
+        elif f is CacheField.LOG_DECAY:
+            fields.append(BufferField(f, "buf_log_decay", False, shape.key_dim if channel else 1, cached.dtype))
+        elif f is CacheField.WEIGHT:
+            fields.append(BufferField(f, "buf_weight", False, 1, cached.dtype))
+    return tuple(fields)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+

@@ -1,0 +1,396 @@
+"""Load a spec file, validate it once, and return a frozen `Spec`.
+
+Every rule failure is a SpecError naming the file, the line and the YAML path.
+Spec values are data: names must be identifiers, numbers are numbers, and the
+recurrence is chosen from enumerated primitives (no formulas are evaluated).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import keyword
+import re
+from pathlib import Path
+from typing import TypeVar
+
+from replaygen.spec.model import (
+    ACTIVATION,
+    CacheField,
+    CachedField,
+    Decay,
+    DecayForm,
+    DecayGranularity,
+    Dims,
+    DType,
+    Gate,
+    GateActivation,
+    Inputs,
+    QueryScale,
+    Readout,
+    Sharing,
+    Spec,
+    StateLayout,
+    StateSpec,
+    TargetShape,
+    Update,
+    UpdateKind,
+    UpdateWeight,
+    VectorSpec,
+    VectorTransform,
+)
+from replaygen.spec.nodes import Node, parse_yaml
+
+SPEC_VERSION = 1
+MAX_CAPACITY = 64
+MAX_KEY_DIM = 256
+MAX_VALUE_DIM = 512
+MAX_WINDOW = 16
+SHAPE_NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
+# Names the generated API uses itself; spec names must not shadow them.
+RESERVED_NAMES = frozenset(
+    {"state", "slots", "out", "accepted", "states", "num_slots", "device", "activation_dtype", "route", "flush_at", "config", "torch", "triton", "tl"}
+)
+# Primitives the language names but no template of this version implements.
+NOT_IMPLEMENTED = {
+    UpdateKind.TRAPEZOID: "the trapezoid (Mamba-3) update",
+    VectorTransform.RMSNORM_ROTARY: "the rmsnorm+rotary (Mamba-3) key/query transform",
+}
+
+E = TypeVar("E", bound=enum.Enum)
+
+
+def load_spec(path: str | Path) -> Spec:
+    """Read and validate a spec file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        from replaygen.errors import SpecError
+
+        raise SpecError(str(path), None, "", f"cannot read spec file: {exc.strerror}") from None
+    return load_spec_text(text, str(path))
+
+
+def load_spec_text(text: str, file: str = "<spec>") -> Spec:
+    """Validate spec YAML given as text; `file` names it in errors."""
+    root = parse_yaml(text, file)
+    return _SpecBuilder(root, hashlib.sha256(text.encode()).hexdigest()).build()
+
+
+class _Map:
+    """Reads one YAML mapping: rejects unknown keys, reports missing ones."""
+
+    def __init__(self, node: Node, required: set[str], optional: set[str] = frozenset()):
+        if not isinstance(node.value, dict):
+            raise node.error(f"expected a mapping, got {_kind(node.value)}")
+        self.node = node
+        for key in node.value:
+            if key not in required and key not in optional:
+                allowed = ", ".join(sorted(required | set(optional)))
+                raise node.error(f"unknown key '{key}' (allowed: {allowed})", key)
+        for key in sorted(required):
+            if key not in node.value:
+                raise node.error(f"missing required key '{key}'")
+
+    def get(self, key: str) -> Node | None:
+        return self.node.value.get(key)
+
+    def __getitem__(self, key: str) -> Node:
+        return self.node.value[key]
+
+
+def _kind(value: object) -> str:
+    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", int: "an integer", float: "a number"}.get(
+        type(value), type(value).__name__ if value is not None else "nothing"
+    )
+
+
+def _string(node: Node) -> str:
+    if not isinstance(node.value, str):
+        raise node.error(f"expected a string, got {_kind(node.value)}")
+    return node.value
+
+
+def _int(node: Node, low: int, high: int) -> int:
+    if isinstance(node.value, bool) or not isinstance(node.value, int):
+        raise node.error(f"expected an integer, got {_kind(node.value)}")
+    if not low <= node.value <= high:
+        raise node.error(f"must be between {low} and {high}, got {node.value}")
+    return node.value
+
+
+def _float(node: Node, low: float, high: float) -> float:
+    if isinstance(node.value, bool) or not isinstance(node.value, (int, float)):
+        raise node.error(f"expected a number, got {_kind(node.value)}")
+    if not low <= float(node.value) <= high:
+        raise node.error(f"must be between {low} and {high}, got {node.value}")
+    return float(node.value)
+
+
+def _bool(node: Node) -> bool:
+    if not isinstance(node.value, bool):
+        raise node.error(f"expected true or false, got {_kind(node.value)}")
+    return node.value
+
+
+def _enum(node: Node, cls: type[E]) -> E:
+    value = _string(node)
+    for member in cls:
+        if member.value == value:
+            if member in NOT_IMPLEMENTED:
+                raise node.error(
+                    f"'{value}' ({NOT_IMPLEMENTED[member]}) is part of the spec language but no template of this replaygen version implements it yet"
+                )
+            return member
+    raise node.error(f"unknown value '{value}' (allowed: {', '.join(m.value for m in cls if m not in NOT_IMPLEMENTED)})")
+
+
+def _identifier(node: Node) -> str:
+    value = _string(node)
+    if not value.isidentifier() or not value.isascii() or keyword.iskeyword(value) or value.startswith("_"):
+        raise node.error(f"'{value}' is not a valid name (ASCII identifier, not a python keyword, no leading underscore)")
+    if value in RESERVED_NAMES:
+        raise node.error(f"'{value}' is reserved by the generated API; choose another name")
+    return value
+
+
+def _optional_identifier(node: Node | None) -> str | None:
+    return None if node is None or node.value is None else _identifier(node)
+
+
+class _SpecBuilder:
+    def __init__(self, root: Node, sha256: str):
+        self.root = root
+        self.sha256 = sha256
+        self.names: dict[str, Node] = {}
+
+    def _claim(self, node: Node | None) -> None:
+        """Record a tensor name; two roles may not share one."""
+        if node is None or node.value is None:
+            return
+        if node.value in self.names:
+            first = self.names[node.value]
+            raise node.error(f"name '{node.value}' is already used at {first.path} (line {first.line})")
+        self.names[node.value] = node
+
+    def build(self) -> Spec:
+        top = _Map(
+            self.root,
+            required={"spec_version", "name", "inputs", "decay", "update", "readout", "state", "activations", "replay", "shapes"},
+            optional={"description", "dims", "key", "query"},
+        )
+        version = _int(top["spec_version"], 1, 10**6)
+        if version != SPEC_VERSION:
+            raise top["spec_version"].error(f"unsupported spec_version {version}; this replaygen reads version {SPEC_VERSION}")
+        name_node = top["name"]
+        name = _string(name_node)
+        if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
+            raise name_node.error(f"spec name '{name}' must be lowercase letters, digits and '_', starting with a letter")
+        description = _string(top["description"]) if top.get("description") else ""
+        dims = self._dims(top.get("dims"))
+        inputs = self._inputs(top["inputs"])
+        decay = self._decay(top["decay"])
+        update = self._update(top["update"], decay)
+        key = self._vector(top.get("key"), allow_scale=False)
+        query = self._vector(top.get("query"), allow_scale=True)
+        readout = self._readout(top["readout"])
+        state = self._state(top["state"])
+        activations = self._activations(top["activations"], state)
+        cache, capacity, window = self._replay(top["replay"], update, decay)
+        shapes = self._shapes(top["shapes"], inputs, capacity, window)
+        return Spec(
+            name=name,
+            description=description,
+            dims=dims,
+            inputs=inputs,
+            decay=decay,
+            update=update,
+            key=key,
+            query=query,
+            readout=readout,
+            state=state,
+            activations=activations,
+            cache=cache,
+            shapes=shapes,
+            source_file=self.root.file,
+            source_sha256=self.sha256,
+        )
+
+    def _dims(self, node: Node | None) -> Dims:
+        if node is None:
+            return Dims()
+        fields = {"heads", "key_heads", "value_dim", "key_dim"}
+        m = _Map(node, required=set(), optional=fields)
+        values = {}
+        for field in fields:
+            if m.get(field) is not None:
+                symbol = _string(m[field])
+                if not symbol.isidentifier() or not symbol.isascii():
+                    raise node.error(f"dimension symbol '{symbol}' must be an identifier", field)
+                values[field] = symbol
+        return Dims(**values)
+
+    def _inputs(self, node: Node) -> Inputs:
+        m = _Map(node, required={"value", "key", "query"}, optional={"key_sharing"})
+        for role in ("value", "key", "query"):
+            _identifier(m[role])
+            self._claim(m[role])
+        sharing = _enum(m["key_sharing"], Sharing) if m.get("key_sharing") else Sharing.KEY_HEAD
+        return Inputs(value=m["value"].value, key=m["key"].value, query=m["query"].value, key_sharing=sharing)
+
+    def _decay(self, node: Node) -> Decay:
+        m = _Map(node, required={"granularity", "form", "input"}, optional={"rate", "bias", "direct_input"})
+        granularity = _enum(m["granularity"], DecayGranularity)
+        form = _enum(m["form"], DecayForm)
+        input_name = _identifier(m["input"])
+        self._claim(m["input"])
+        rate = _optional_identifier(m.get("rate"))
+        bias = _optional_identifier(m.get("bias"))
+        if form is DecayForm.NEG_EXP_SOFTPLUS and rate is None:
+            raise node.error("form 'neg_exp_softplus' needs 'rate' (the weight A_log in log a = -exp(A_log) * softplus(input + bias))")
+        if form is DecayForm.DIRECT and (rate is not None or bias is not None):
+            raise node.error("form 'direct' takes the log decay as is: remove 'rate' and 'bias'", "rate" if rate else "bias")
+        self._claim(m.get("rate"))
+        self._claim(m.get("bias"))
+        direct = _optional_identifier(m.get("direct_input"))
+        if direct is not None and form is DecayForm.DIRECT:
+            raise node.error("'direct_input' only makes sense when the form computes the decay from a pre-activation", "direct_input")
+        self._claim(m.get("direct_input"))
+        return Decay(granularity, form, input_name, rate, bias, direct)
+
+    def _update(self, node: Node, decay: Decay) -> Update:
+        m = _Map(node, required={"kind", "weight"}, optional={"weight_input", "weight_direct_input"})
+        kind = _enum(m["kind"], UpdateKind)
+        weight = _enum(m["weight"], UpdateWeight)
+        weight_input = _optional_identifier(m.get("weight_input"))
+        weight_direct = _optional_identifier(m.get("weight_direct_input"))
+        if weight is UpdateWeight.DECAY_DT and decay.form is not DecayForm.NEG_EXP_SOFTPLUS:
+            raise m["weight"].error("weight 'decay_dt' reuses softplus(input + bias) of the decay, so decay.form must be 'neg_exp_softplus'")
+        if weight is UpdateWeight.DECAY_DT and decay.direct_input is not None:
+            raise m["weight"].error("weight 'decay_dt' needs the decay pre-activation, so decay.direct_input cannot be offered")
+        if weight is UpdateWeight.SIGMOID and weight_input is None:
+            raise node.error("weight 'sigmoid' needs 'weight_input' (the pre-activation, e.g. b)")
+        if weight is not UpdateWeight.SIGMOID and (weight_input is not None or weight_direct is not None):
+            key = "weight_input" if weight_input is not None else "weight_direct_input"
+            raise node.error(f"'{key}' is only used with weight 'sigmoid'", key)
+        self._claim(m.get("weight_input"))
+        self._claim(m.get("weight_direct_input"))
+        return Update(kind, weight, weight_input, weight_direct)
+
+    def _vector(self, node: Node | None, allow_scale: bool) -> VectorSpec:
+        if node is None:
+            return VectorSpec(VectorTransform.NONE, 0.0, QueryScale.NONE)
+        m = _Map(node, required={"transform"}, optional={"eps", "scale"} if allow_scale else {"eps"})
+        transform = _enum(m["transform"], VectorTransform)
+        eps = _float(m["eps"], 0.0, 1.0) if m.get("eps") is not None else 1e-6
+        if transform is VectorTransform.NONE and m.get("eps") is not None:
+            raise node.error("'eps' only applies to transform 'l2norm'", "eps")
+        scale = _enum(m["scale"], QueryScale) if m.get("scale") is not None else QueryScale.NONE
+        return VectorSpec(transform, eps if transform is VectorTransform.L2NORM else 0.0, scale)
+
+    def _readout(self, node: Node) -> Readout:
+        m = _Map(node, required=set(), optional={"skip", "gate"})
+        skip = _optional_identifier(m.get("skip"))
+        self._claim(m.get("skip"))
+        gate = None
+        gate_node = m.get("gate")
+        if gate_node is not None and gate_node.value is not None:
+            g = _Map(gate_node, required={"input", "activation"}, optional={"optional"})
+            _identifier(g["input"])
+            self._claim(g["input"])
+            gate = Gate(
+                input=g["input"].value,
+                activation=_enum(g["activation"], GateActivation),
+                optional=_bool(g["optional"]) if g.get("optional") is not None else False,
+            )
+        return Readout(skip, gate)
+
+    def _state(self, node: Node) -> StateSpec:
+        m = _Map(node, required={"dtype"}, optional={"layout"})
+        dtype = _enum(m["dtype"], DType)
+        if dtype is DType.FLOAT16:
+            raise m["dtype"].error("a float16 state is not supported (its range is too small for long decays); use float32 or bfloat16")
+        layout = _enum(m["layout"], StateLayout) if m.get("layout") is not None else StateLayout.VALUE_KEY
+        return StateSpec(dtype, layout)
+
+    def _activations(self, node: Node, state: StateSpec) -> tuple[DType, ...]:
+        if not isinstance(node.value, list) or not node.value:
+            raise node.error("expected a non-empty list of dtypes")
+        dtypes = []
+        for item in node.value:
+            dtype = _enum(item, DType)
+            if dtype in dtypes:
+                raise item.error(f"dtype '{dtype.value}' listed twice")
+            if state.dtype is DType.BFLOAT16 and dtype is DType.FLOAT32:
+                raise item.error("unsupported dtype pair: float32 activations with a bfloat16 state (the state would be less precise than its inputs)")
+            dtypes.append(dtype)
+        return tuple(dtypes)
+
+    def _replay(self, node: Node, update: Update, decay: Decay) -> tuple[tuple[CachedField, ...], int, int]:
+        m = _Map(node, required={"cache", "capacity", "window"})
+        cache_node = m["cache"]
+        if not isinstance(cache_node.value, dict):
+            raise cache_node.error(f"expected a mapping of field -> dtype, got {_kind(cache_node.value)}")
+        needed = {CacheField.KEY, CacheField.LOG_DECAY}
+        if update.kind is UpdateKind.ADDITIVE:
+            needed |= {CacheField.VALUE, CacheField.WEIGHT}
+        else:
+            needed |= {CacheField.CORRECTED_VALUE}
+        fields = []
+        for key, value_node in cache_node.value.items():
+            try:
+                field = CacheField(key)
+            except ValueError:
+                raise cache_node.error(f"unknown cached field '{key}' (allowed: {', '.join(f.value for f in CacheField)})", key) from None
+            if field not in needed:
+                rule = update.kind.value
+                raise cache_node.error(f"field '{key}' is not replayed by the {rule} update; it needs exactly {_names(needed)}", key)
+            if value_node.value == ACTIVATION:
+                dtype = None
+            else:
+                dtype = _enum(value_node, DType)
+            if field in (CacheField.LOG_DECAY, CacheField.WEIGHT) and dtype is not DType.FLOAT32:
+                raise value_node.error(f"'{key}' enters an exponent or a product of many terms and must be cached as float32")
+            fields.append(CachedField(field, dtype))
+        missing = needed - {f.field for f in fields}
+        if missing:
+            raise cache_node.error(f"the {update.kind.value} update needs cached fields {_names(missing)}")
+        capacity = _int(m["capacity"], 2, MAX_CAPACITY)
+        window = _int(m["window"], 1, MAX_WINDOW)
+        self._check_flush_rule(m["capacity"], capacity, window)
+        return tuple(fields), capacity, window
+
+    @staticmethod
+    def _check_flush_rule(node: Node, capacity: int, window: int) -> None:
+        if capacity < 2 * window:
+            raise node.error(
+                f"capacity L={capacity} is too small for window T={window}: the flush rule h + 2T > L needs L >= 2T={2 * window},"
+                " or every verify step would flush"
+            )
+
+    def _shapes(self, node: Node, inputs: Inputs, capacity: int, window: int) -> tuple[TargetShape, ...]:
+        if not isinstance(node.value, dict) or not node.value:
+            raise node.error("expected a non-empty mapping of shape name -> sizes")
+        shapes = []
+        for shape_name, shape_node in node.value.items():
+            if not SHAPE_NAME.match(shape_name):
+                raise node.error(f"shape name '{shape_name}' must be lowercase letters, digits and '-'", shape_name)
+            m = _Map(shape_node, required={"heads", "value_dim", "key_dim"}, optional={"key_heads", "capacity", "window"})
+            heads = _int(m["heads"], 1, 4096)
+            key_heads = _int(m["key_heads"], 1, 4096) if m.get("key_heads") is not None else heads
+            if inputs.key_sharing is Sharing.HEAD and key_heads != heads:
+                raise shape_node.error(f"inputs.key_sharing is 'head', so key_heads must equal heads ({heads})", "key_heads")
+            if heads % key_heads:
+                raise shape_node.error(f"heads={heads} is not a multiple of key_heads={key_heads}", "key_heads")
+            value_dim = _int(m["value_dim"], 1, MAX_VALUE_DIM)
+            key_dim = _int(m["key_dim"], 1, MAX_KEY_DIM)
+            shape_capacity = _int(m["capacity"], 2, MAX_CAPACITY) if m.get("capacity") is not None else capacity
+            shape_window = _int(m["window"], 1, MAX_WINDOW) if m.get("window") is not None else window
+            self._check_flush_rule(m.get("capacity") or m.get("window") or shape_node, shape_capacity, shape_window)
+            shapes.append(TargetShape(shape_name, heads, key_heads, value_dim, key_dim, shape_capacity, shape_window))
+        return tuple(shapes)
+
+
+def _names(fields: set[CacheField]) -> str:
+    return ", ".join(sorted(f.value for f in fields))

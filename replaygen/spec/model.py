@@ -1,0 +1,205 @@
+"""Typed, frozen model of a spec. Built only by the loader, after validation.
+
+Conventions (see ../MATH.md of the design docs): the state of one head is a
+matrix with `value_dim` rows and `key_dim` columns (`S` with `y = S q`); the
+decay multiplies the whole state (granularity `head`) or its key columns
+(granularity `channel`); an update adds `w * u k^T` where `u` is the value
+(additive rule) or the corrected value (delta rule).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class DType(enum.Enum):
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+    @property
+    def itemsize(self) -> int:
+        return 4 if self is DType.FLOAT32 else 2
+
+
+class Sharing(enum.Enum):
+    """How a per-token vector is shared: one per value head, or one per key head (group)."""
+
+    HEAD = "head"
+    KEY_HEAD = "key_head"
+
+
+class DecayGranularity(enum.Enum):
+    HEAD = "head"  # one scalar per head and step (Mamba-2, GDN)
+    CHANNEL = "channel"  # one scalar per head, key channel and step (KDA)
+
+
+class DecayForm(enum.Enum):
+    NEG_EXP_SOFTPLUS = "neg_exp_softplus"  # log a = -exp(rate) * softplus(input + bias)
+    DIRECT = "direct"  # log a = input
+
+
+class UpdateKind(enum.Enum):
+    ADDITIVE = "additive"  # S = a S + w u k^T (Mamba-2)
+    DELTA = "delta"  # S = a S; u = w (v - S k); S += u k^T (Gated DeltaNet, KDA)
+    TRAPEZOID = "trapezoid"  # Mamba-3: rank-R trapezoid update (language only, no template yet)
+
+
+class UpdateWeight(enum.Enum):
+    DECAY_DT = "decay_dt"  # w = softplus(decay input + bias), the Mamba-2 dt'
+    SIGMOID = "sigmoid"  # w = sigmoid(weight input), the GDN beta
+    ONE = "one"  # w = 1
+
+
+class VectorTransform(enum.Enum):
+    NONE = "none"
+    L2NORM = "l2norm"  # x / sqrt(|x|^2 + eps)
+    RMSNORM_ROTARY = "rmsnorm_rotary"  # Mamba-3 (language only, no template yet)
+
+
+class QueryScale(enum.Enum):
+    NONE = "none"
+    INV_SQRT_KEY_DIM = "inv_sqrt_key_dim"
+
+
+class StateLayout(enum.Enum):
+    VALUE_KEY = "value_key"  # state stored [value_dim, key_dim] per head (Mamba-2, vLLM GDN)
+    KEY_VALUE = "key_value"  # state stored [key_dim, value_dim] per head (FLA, HF GDN)
+
+
+class GateActivation(enum.Enum):
+    SILU = "silu"
+
+
+class CacheField(enum.Enum):
+    """What one replay-buffer entry holds, per field."""
+
+    VALUE = "value"  # the raw value v_j (additive rule)             [heads, value_dim]
+    CORRECTED_VALUE = "corrected_value"  # u_j = w (v - S k) (delta rule)  [heads, value_dim]
+    KEY = "key"  # the transformed key                                [key_heads, key_dim]
+    LOG_DECAY = "log_decay"  # log a_j                                 [heads] or [heads, key_dim]
+    WEIGHT = "weight"  # w_j (additive rule)                          [heads]
+
+
+ACTIVATION = "activation"  # a cached field stored in the activation dtype of the step inputs
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Symbols used for the four dimensions in generated docstrings."""
+
+    heads: str = "H"
+    key_heads: str = "G"
+    value_dim: str = "P"
+    key_dim: str = "N"
+
+
+@dataclass(frozen=True)
+class Inputs:
+    value: str  # [batch, heads, value_dim]
+    key: str  # [batch, key_heads, key_dim]
+    query: str  # [batch, key_heads, key_dim]
+    key_sharing: Sharing
+
+
+@dataclass(frozen=True)
+class Decay:
+    granularity: DecayGranularity
+    form: DecayForm
+    input: str  # [batch, heads] or [batch, heads, key_dim]
+    rate: str | None  # weight [heads]
+    bias: str | None  # weight [heads] or [heads, key_dim]
+    direct_input: str | None  # optional: log decay passed directly, same shape as `input`
+
+
+@dataclass(frozen=True)
+class Update:
+    kind: UpdateKind
+    weight: UpdateWeight
+    weight_input: str | None  # [batch, heads] pre-activation (weight sigmoid)
+    weight_direct_input: str | None  # optional: the weight passed directly
+
+
+@dataclass(frozen=True)
+class VectorSpec:
+    transform: VectorTransform
+    eps: float
+    scale: QueryScale
+
+
+@dataclass(frozen=True)
+class Gate:
+    input: str  # [batch, heads, value_dim]
+    activation: GateActivation
+    optional: bool
+
+
+@dataclass(frozen=True)
+class Readout:
+    skip: str | None  # weight [heads]: y += skip * value
+    gate: Gate | None
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    dtype: DType
+    layout: StateLayout
+
+
+@dataclass(frozen=True)
+class CachedField:
+    field: CacheField
+    dtype: DType | None  # None: the activation dtype
+
+
+@dataclass(frozen=True)
+class TargetShape:
+    name: str
+    heads: int
+    key_heads: int
+    value_dim: int
+    key_dim: int
+    capacity: int  # L, ring-buffer entries per slot
+    window: int  # T, speculative window
+
+    @property
+    def heads_per_key_head(self) -> int:
+        return self.heads // self.key_heads
+
+    @property
+    def ident(self) -> str:
+        """The shape name as a python identifier fragment."""
+        return self.name.replace("-", "_")
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    description: str
+    dims: Dims
+    inputs: Inputs
+    decay: Decay
+    update: Update
+    key: VectorSpec
+    query: VectorSpec
+    readout: Readout
+    state: StateSpec
+    activations: tuple[DType, ...]
+    cache: tuple[CachedField, ...]
+    shapes: tuple[TargetShape, ...]
+    source_file: str
+    source_sha256: str
+
+    def shape(self, name: str) -> TargetShape:
+        for shape in self.shapes:
+            if shape.name == name:
+                return shape
+        known = ", ".join(s.name for s in self.shapes)
+        raise KeyError(f"spec '{self.name}' has no shape '{name}' (known: {known})")
+
+    def cached(self, field: CacheField) -> CachedField | None:
+        for entry in self.cache:
+            if entry.field is field:
+                return entry
+        return None
