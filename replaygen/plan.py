@@ -103,6 +103,41 @@ def plan_module(
     missing = set(KernelKind) - set(configs)
     if missing:
         raise UnsupportedShapeError(f"no configs for kernels: {', '.join(sorted(k.value for k in missing))}")
+    step_inputs, weights = api_tensors(spec, shape)
+    channel = spec.decay.granularity is DecayGranularity.CHANNEL
+    value_key = spec.state.layout is StateLayout.VALUE_KEY
+    return ModulePlan(
+        spec=spec,
+        shape=shape,
+        gpu=gpu,
+        configs=dict(configs),
+        config_source=config_source,
+        block_k=_next_pow2(shape.key_dim),
+        block_l=_next_pow2(shape.capacity),
+        state_stride_v=shape.key_dim if value_key else 1,
+        state_stride_k=1 if value_key else shape.value_dim,
+        channel_decay=channel,
+        decay_from_preactivation=spec.decay.form is DecayForm.NEG_EXP_SOFTPLUS,
+        has_direct_decay=spec.decay.direct_input is not None,
+        weight_kind=spec.update.weight.value,
+        has_direct_weight=spec.update.weight_direct_input is not None,
+        delta_rule=spec.update.kind is UpdateKind.DELTA,
+        key_l2norm=spec.key.transform is VectorTransform.L2NORM,
+        query_l2norm=spec.query.transform is VectorTransform.L2NORM,
+        key_eps=spec.key.eps,
+        query_eps=spec.query.eps,
+        query_scale=shape.key_dim**-0.5 if spec.query.scale is QueryScale.INV_SQRT_KEY_DIM else 1.0,
+        has_skip=spec.readout.skip is not None,
+        has_gate=spec.readout.gate is not None,
+        gate_optional=spec.readout.gate is not None and spec.readout.gate.optional,
+        step_inputs=step_inputs,
+        weights=weights,
+        buffers=_buffers(spec, shape),
+    )
+
+
+def api_tensors(spec: Spec, shape: TargetShape) -> tuple[tuple[TensorArg, ...], tuple[TensorArg, ...]]:
+    """The per-token inputs and the weights of the generated API, in argument order."""
     d = spec.dims
     channel = spec.decay.granularity is DecayGranularity.CHANNEL
     decay_shape = ("batch", d.heads, d.key_dim) if channel else ("batch", d.heads)
@@ -130,35 +165,7 @@ def plan_module(
         weights.append(TensorArg(spec.decay.bias, bias_shape, (shape.heads, shape.key_dim) if channel else (shape.heads,)))
     if spec.readout.skip:
         weights.append(TensorArg(spec.readout.skip, (d.heads,), (shape.heads,)))
-    value_key = spec.state.layout is StateLayout.VALUE_KEY
-    return ModulePlan(
-        spec=spec,
-        shape=shape,
-        gpu=gpu,
-        configs=dict(configs),
-        config_source=config_source,
-        block_k=_next_pow2(shape.key_dim),
-        block_l=_next_pow2(shape.capacity),
-        state_stride_v=shape.key_dim if value_key else 1,
-        state_stride_k=1 if value_key else shape.value_dim,
-        channel_decay=channel,
-        decay_from_preactivation=spec.decay.form is DecayForm.NEG_EXP_SOFTPLUS,
-        has_direct_decay=spec.decay.direct_input is not None,
-        weight_kind=spec.update.weight.value,
-        has_direct_weight=spec.update.weight_direct_input is not None,
-        delta_rule=spec.update.kind is UpdateKind.DELTA,
-        key_l2norm=spec.key.transform is VectorTransform.L2NORM,
-        query_l2norm=spec.query.transform is VectorTransform.L2NORM,
-        key_eps=spec.key.eps,
-        query_eps=spec.query.eps,
-        query_scale=shape.key_dim**-0.5 if spec.query.scale is QueryScale.INV_SQRT_KEY_DIM else 1.0,
-        has_skip=spec.readout.skip is not None,
-        has_gate=spec.readout.gate is not None,
-        gate_optional=spec.readout.gate is not None and spec.readout.gate.optional,
-        step_inputs=tuple(inputs),
-        weights=tuple(weights),
-        buffers=_buffers(spec, shape),
-    )
+    return tuple(inputs), tuple(weights)
 
 
 def _buffers(spec: Spec, shape: TargetShape) -> tuple[BufferField, ...]:

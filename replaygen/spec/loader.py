@@ -267,6 +267,8 @@ class _SpecBuilder:
         weight_direct = _optional_identifier(m.get("weight_direct_input"))
         if weight is UpdateWeight.DECAY_DT and decay.form is not DecayForm.NEG_EXP_SOFTPLUS:
             raise m["weight"].error("weight 'decay_dt' reuses softplus(input + bias) of the decay, so decay.form must be 'neg_exp_softplus'")
+        if weight is UpdateWeight.DECAY_DT and decay.granularity is DecayGranularity.CHANNEL:
+            raise m["weight"].error("weight 'decay_dt' is one scalar per head, so decay.granularity must be 'head'")
         if weight is UpdateWeight.DECAY_DT and decay.direct_input is not None:
             raise m["weight"].error("weight 'decay_dt' needs the decay pre-activation, so decay.direct_input cannot be offered")
         if weight is UpdateWeight.SIGMOID and weight_input is None:
