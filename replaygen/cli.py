@@ -1,0 +1,172 @@
+"""Command line: build, check, show, list."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from replaygen import __version__
+from replaygen.errors import ReplaygenError
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def _add_spec(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("spec", help="spec file, e.g. specs/mamba2.yaml")
+    parser.add_argument("--shape", action="append", metavar="NAME", help="target shape of the spec (repeatable; default: all)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="replaygen", description="Generate, check and inspect ReplaySSM decode kernels from a spec.")
+    parser.add_argument("--version", action="version", version=f"replaygen {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("build", help="generate kernel modules for a spec's shapes", description="Render the kernels of each target shape into importable modules under OUT/GPU/.")
+    _add_spec(p)
+    p.add_argument("--gpu", default="h100", help="GPU the configs are for; names the output folder (default: h100)")
+    p.add_argument("--out", default="generated", type=Path, help="output folder (default: generated)")
+
+    p = sub.add_parser("check", help="run the generated kernels against the float64 reference", description=(
+        "Generate the kernels and compare them step by step with the float64 reference over several flush cycles, "
+        "both replay routes, with padding rows and sequences that flush on different steps. Uses the GPU when there "
+        "is one, else the Triton interpreter on the CPU (there, shapes are reduced unless --full)."))
+    _add_spec(p)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="activation dtype (default: fp32 on CPU, bf16 on GPU)")
+    p.add_argument("--batch", type=int, default=3, help="batch rows (default: 3)")
+    p.add_argument("--cycles", type=int, default=3, help="flush cycles per sequence (default: 3)")
+    p.add_argument("--full", action="store_true", help="check the full shapes on the CPU too (slow under the interpreter)")
+
+    p = sub.add_parser("show", help="buffer layout, bytes per step, memory per slot, speedup bound", description="Print what the spec derives for each shape: the replay-buffer layout, the traffic model and memory per slot.")
+    _add_spec(p)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation dtype (default: bf16)")
+
+    p = sub.add_parser("list", help="specs, their shapes, and GPUs with tuning records", description="List the specs in SPECS_DIR with their shapes, and the GPUs that have tuning records in TUNE_DIR.")
+    p.add_argument("--specs-dir", default="specs", type=Path)
+    p.add_argument("--tune-dir", default="tune", type=Path)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return COMMANDS[args.command](args)
+    except ReplaygenError as exc:
+        print(f"replaygen {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    from replaygen.build import build_spec, select_shapes
+    from replaygen.spec import load_spec
+
+    spec = load_spec(args.spec)
+    shapes = select_shapes(spec, args.shape)
+    print(f"{spec.name}: using the documented default configs (replaygen/configs.py: default_configs); no tuning records are applied by this version")
+    for module in build_spec(spec, shapes, args.gpu, args.out):
+        print(f"  {'wrote    ' if module.written else 'unchanged'} {module.path}")
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    import torch
+
+    has_gpu = torch.cuda.is_available()
+    if not has_gpu:
+        os.environ["TRITON_INTERPRET"] = "1"
+    from replaygen.build import select_shapes
+    from replaygen.harness import check_decode
+    from replaygen.runtime import load_kernels
+    from replaygen.spec import load_spec
+    from replaygen.spec.model import TargetShape
+
+    spec = load_spec(args.spec)
+    device = "cuda" if has_gpu else "cpu"
+    dtype = getattr(torch, DTYPES[args.dtype or ("bf16" if has_gpu else "fp32")])
+    failed = 0
+    for shape in select_shapes(spec, args.shape):
+        run_shape = shape
+        if not has_gpu and not args.full:
+            run_shape = _reduced(shape)
+        print(f"{spec.name}/{shape.name} on {device}" + ("" if run_shape == shape else f" (reduced for the interpreter: {_describe(run_shape)}; --full for the real shape)"))
+        module = load_kernels(spec, run_shape)
+        for route in ("output_only", "state_and_output"):
+            report = check_decode(module, spec, run_shape, device=device, act_dtype=dtype, batch=args.batch, cycles=args.cycles, route=route)
+            print("\n".join(report.lines()))
+            failed += not report.ok
+    print("all checks passed" if not failed else f"{failed} check(s) FAILED")
+    return 1 if failed else 0
+
+
+def _reduced(shape):
+    from dataclasses import replace
+
+    key_heads = min(shape.key_heads, 2)
+    ratio = min(shape.heads_per_key_head, 2)
+    return replace(shape, heads=key_heads * ratio, key_heads=key_heads, value_dim=min(shape.value_dim, 16), key_dim=min(shape.key_dim, 32))
+
+
+def _describe(shape) -> str:
+    return f"heads={shape.heads} key_heads={shape.key_heads} value_dim={shape.value_dim} key_dim={shape.key_dim} L={shape.capacity} T={shape.window}"
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from replaygen.build import select_shapes
+    from replaygen.plan import _buffers
+    from replaygen.spec import load_spec
+    from replaygen.spec.model import DType
+    from replaygen.traffic import baseline_decode_bytes, entry_bytes, replay_decode_bytes, slot_memory, speedup_bound
+
+    spec = load_spec(args.spec)
+    act = DType(DTYPES[args.dtype])
+    print(f"spec {spec.name} ({spec.source_file}, sha256 {spec.source_sha256[:12]}): {spec.description}")
+    print(f"  update {spec.update.kind.value}, decay per {spec.decay.granularity.value}, state {spec.state.dtype.value} {spec.state.layout.value}, activations {act.value}")
+    for shape in select_shapes(spec, args.shape):
+        print(f"\nshape {shape.name}: {_describe(shape)}")
+        print("  replay buffer per slot (ring of L entries):")
+        for buf in _buffers(spec, shape):
+            rows = "key_heads" if buf.per_key_head else "heads"
+            n_rows = shape.key_heads if buf.per_key_head else shape.heads
+            width = f", {buf.width}" if buf.width > 1 else ""
+            print(f"    {buf.attr:<14} [{rows}={n_rows}, L={shape.capacity}{width}] {(buf.dtype or act).value:<9} ({buf.field.value})")
+        print(f"    one entry: {entry_bytes(spec, shape, act):,} bytes")
+        base = baseline_decode_bytes(spec, shape, act)
+        rep = replay_decode_bytes(spec, shape, act)
+        print("  bytes per step and sequence      baseline      replay (avg over a flush cycle of L steps)")
+        for field in ("state_read", "state_write", "buffer_read", "buffer_write", "inputs", "outputs", "total"):
+            print(f"    {field:<28} {getattr(base, field):>12,.0f} {getattr(rep, field):>12,.0f}")
+        print(f"  speedup bound (equal bandwidth efficiency): {speedup_bound(spec, shape, act):.3f}x")
+        mem = slot_memory(spec, shape, act)
+        print(f"  memory per slot: baseline {mem.baseline:,} B; replay {mem.replay:,} B (checkpoint {mem.replay_checkpoint:,} + buffers {mem.replay_buffers:,} + cursor {mem.replay_cursor})")
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from replaygen.errors import SpecError
+    from replaygen.spec import load_spec
+
+    specs = sorted(args.specs_dir.glob("*.yaml"))
+    if not specs:
+        print(f"no specs in {args.specs_dir}")
+    for path in specs:
+        try:
+            spec = load_spec(path)
+        except SpecError as exc:
+            print(f"{path}: INVALID: {exc}")
+            continue
+        print(f"{spec.name} ({path}): {spec.description}")
+        for shape in spec.shapes:
+            print(f"  {shape.name:<18} {_describe(shape)}")
+    gpus = sorted(p.name for p in args.tune_dir.iterdir() if p.is_dir()) if args.tune_dir.is_dir() else []
+    print(f"GPUs with tuning records in {args.tune_dir}: {', '.join(gpus) if gpus else 'none'}")
+    return 0
+
+
+COMMANDS = {"build": cmd_build, "check": cmd_check, "show": cmd_show, "list": cmd_list}
+
+if __name__ == "__main__":
+    sys.exit(main())
