@@ -44,6 +44,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_spec(p)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation dtype (default: bf16)")
 
+    p = sub.add_parser("bench", help="time baseline vs replay decode on the GPU", description=(
+        "Time baseline and replay decode side by side in one process on the same inputs: cold state (layer states "
+        "cycled past L2), whole flush cycles, CUDA graphs, medians with the 20-80% spread; report the traffic model "
+        "and the fraction of the measured copy bandwidth."))
+    _add_spec(p)
+    p.add_argument("--batch", default="1,8,32,128,256,512", help="comma-separated batch sizes (default: 1,8,32,128,256,512)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation dtype (default: bf16)")
+    p.add_argument("--sweep", action="store_true", help="also time a small grid of launch configs and keep the best")
+    p.add_argument("--out", type=Path, default=None, help="write bench_<spec>.json here")
+
     p = sub.add_parser("list", help="specs, their shapes, and GPUs with tuning records", description="List the specs in SPECS_DIR with their shapes, and the GPUs that have tuning records in TUNE_DIR.")
     p.add_argument("--specs-dir", default="specs", type=Path)
     p.add_argument("--tune-dir", default="tune", type=Path)
@@ -166,7 +176,25 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"build": cmd_build, "check": cmd_check, "show": cmd_show, "list": cmd_list}
+def cmd_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ReplaygenError("bench needs a CUDA GPU (none found)")
+    from replaygen.bench import run
+    from replaygen.build import select_shapes
+    from replaygen.spec import load_spec
+
+    spec = load_spec(args.spec)
+    try:
+        batches = [int(b) for b in args.batch.split(",")]
+    except ValueError:
+        raise ReplaygenError(f"--batch must be comma-separated integers, got '{args.batch}'") from None
+    run(spec, select_shapes(spec, args.shape), batches, getattr(torch, DTYPES[args.dtype]), args.out, args.sweep)
+    return 0
+
+
+COMMANDS = {"bench": cmd_bench, "build": cmd_build, "check": cmd_check, "show": cmd_show, "list": cmd_list}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,133 @@
+"""GPU timing as the project measures: cold state, whole flush cycles, CUDA graphs, medians and spread.
+
+In a model, dozens of layers run between two visits to one layer's state, so a
+decode step never finds its state in L2. `DecodeWorkload` therefore keeps
+enough independent layer states that together they exceed L2 several times and
+captures, in one CUDA graph, whole flush cycles over all of them. Inputs are
+random (never zeros); the replay cursors start at staggered phases, as they do
+under continuous batching.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from replaygen.harness import InputFactory
+from replaygen.spec.model import Spec, TargetShape
+from replaygen.traffic import state_bytes
+
+MAX_LAYERS = 64
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Time of one decode step (per layer), from repeated graph replays."""
+
+    median_ms: float
+    p20_ms: float
+    p80_ms: float
+    samples: int
+
+    def as_dict(self) -> dict[str, float]:
+        return {"median_ms": self.median_ms, "p20_ms": self.p20_ms, "p80_ms": self.p80_ms, "samples": self.samples}
+
+
+def l2_bytes(device: torch.device) -> int:
+    return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20))
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Measured device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    timing = time_callable(lambda: dst.copy_(src), repeats=30)
+    return 2 * nbytes / (timing.median_ms * 1e-3)
+
+
+def time_callable(fn: Callable[[], object], repeats: int = 50, warmup: int = 5, per_call: int = 1) -> Timing:
+    """Median and spread of `fn` timed with CUDA events, divided by `per_call` (steps inside one call)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / per_call)
+    samples.sort()
+    q = statistics.quantiles(samples, n=10) if len(samples) >= 10 else [samples[0]] * 9
+    return Timing(statistics.median(samples), q[1], q[7], len(samples))
+
+
+def capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """Capture `fn` (already warmed up) into a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph
+
+
+class DecodeWorkload:
+    """Layer states and inputs for timing one module's decode kernels at one batch size."""
+
+    def __init__(self, module: ModuleType, spec: Spec, shape: TargetShape, batch: int, act_dtype: torch.dtype, device: torch.device, seed: int = 0):
+        self.module = module
+        self.batch = batch
+        self.shape = shape
+        per_layer = batch * state_bytes(spec, shape)
+        self.layers = max(2, min(MAX_LAYERS, math.ceil(4 * l2_bytes(device) / per_layer)))
+        factory = InputFactory(spec, shape, device, act_dtype, seed)
+        self.weights = factory.weights()
+        self.inputs = [factory.step(batch, use_gate=False) for _ in range(self.layers)]
+        self.slots = torch.arange(batch, dtype=torch.int32, device=device)
+        self.replay = [module.allocate(batch, device, act_dtype) for _ in range(self.layers)]
+        self.baseline = [module.allocate_baseline(batch, device) for _ in range(self.layers)]
+        for state in self.replay:
+            state.checkpoint.normal_(0, 0.5)
+            for buf in state.buffers():
+                buf.normal_(0, 0.5)
+            state.buf_log_decay.uniform_(-1.0, -0.01)
+        for state in self.baseline:
+            state.normal_(0, 0.5)
+
+    def stagger(self, flush_at: int) -> None:
+        """Start slot i with i % flush_at buffered entries, so sequences flush on different steps."""
+        for state in self.replay:
+            state.cursor[:, 0] = 0
+            state.cursor[:, 1] = torch.arange(self.batch, device=state.cursor.device, dtype=torch.int32) % flush_at
+
+    def time_replay(self, route: str, flush_at: int, repeats: int = 30) -> Timing:
+        """Per-step time of replay decode over whole flush cycles of `flush_at` steps."""
+        self.stagger(flush_at)
+
+        def cycle() -> None:
+            for _ in range(flush_at):
+                for state, inputs in zip(self.replay, self.inputs):
+                    self.module.decode(state, self.slots, **inputs, **self.weights, route=route, flush_at=flush_at)
+
+        graph = capture(cycle)
+        return time_callable(graph.replay, repeats=repeats, per_call=flush_at * self.layers)
+
+    def time_baseline(self, steps: int, repeats: int = 30) -> Timing:
+        def cycle() -> None:
+            for _ in range(steps):
+                for state, inputs in zip(self.baseline, self.inputs):
+                    self.module.baseline_decode(state, self.slots, **inputs, **self.weights)
+
+        graph = capture(cycle)
+        return time_callable(graph.replay, repeats=repeats, per_call=steps * self.layers)
