@@ -1,0 +1,70 @@
+"""The command line: each verb runs, errors are clear and exit non-zero."""
+
+from pathlib import Path
+
+from replaygen.cli import main
+
+from conftest import ROOT
+
+TINY = """\
+spec_version: 1
+name: tiny
+inputs: {value: x, key: B, query: C}
+decay: {granularity: head, form: neg_exp_softplus, input: dt, rate: A_log, bias: dt_bias}
+update: {kind: additive, weight: decay_dt}
+readout: {skip: D, gate: {input: z, activation: silu, optional: true}}
+state: {dtype: float32}
+activations: [float32, bfloat16]
+replay:
+  cache: {value: activation, key: activation, log_decay: float32, weight: float32}
+  capacity: 4
+  window: 1
+shapes:
+  t: {heads: 2, key_heads: 1, value_dim: 4, key_dim: 8}
+"""
+
+
+def write_tiny(tmp_path: Path) -> Path:
+    path = tmp_path / "tiny.yaml"
+    path.write_text(TINY)
+    return path
+
+
+def test_show(capsys):
+    assert main(["show", str(ROOT / "specs" / "mamba2.yaml"), "--shape", "nemotron-h"]) == 0
+    out = capsys.readouterr().out
+    assert "speedup bound (equal bandwidth efficiency): 1.809x" in out
+    assert "buf_key" in out and "8,425,728" in out
+
+
+def test_list(capsys, tmp_path):
+    (tmp_path / "tune" / "h100").mkdir(parents=True)
+    assert main(["list", "--specs-dir", str(ROOT / "specs"), "--tune-dir", str(tmp_path / "tune")]) == 0
+    out = capsys.readouterr().out
+    assert "nemotron-h-tp8" in out and "GPUs with tuning records" in out and "h100" in out
+
+
+def test_build(capsys, tmp_path):
+    assert main(["build", str(write_tiny(tmp_path)), "--gpu", "h100", "--out", str(tmp_path / "gen")]) == 0
+    out = capsys.readouterr().out
+    assert "default configs" in out
+    assert (tmp_path / "gen" / "h100" / "tiny_t.py").is_file()
+
+
+def test_check_runs_and_passes(capsys, tmp_path):
+    assert main(["check", str(write_tiny(tmp_path)), "--cycles", "2", "--batch", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "all checks passed" in out and "route=output_only" in out and "route=state_and_output" in out
+
+
+def test_bad_spec_exits_nonzero_with_location(capsys, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(TINY.replace("capacity: 4", "capacity: 1"))
+    assert main(["show", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:" in err and "replay.capacity" in err
+
+
+def test_unknown_shape(capsys, tmp_path):
+    assert main(["build", str(write_tiny(tmp_path)), "--shape", "nope", "--out", str(tmp_path)]) == 2
+    assert "has no shape 'nope'" in capsys.readouterr().err

@@ -1,0 +1,194 @@
+"""Decode kernels (replay, baseline, materialize, load) against the float64 reference, step by step."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from replaygen.harness import check_decode, relative_error
+from replaygen.runtime import load_kernels
+
+from conftest import DEVICE, ODD, SMALL
+
+
+@pytest.fixture(scope="module")
+def small(mamba2):
+    return load_kernels(mamba2, SMALL)
+
+
+@pytest.fixture(scope="module")
+def odd(mamba2):
+    return load_kernels(mamba2, ODD)
+
+
+def assert_passes(report):
+    assert report.ok, "\n".join(report.lines())
+    assert {"replay_decode", "baseline_decode", "materialize", "baseline_state"} <= set(report.worst)
+
+
+@pytest.mark.parametrize("route", ["output_only", "state_and_output"])
+def test_replay_matches_reference_fp32(mamba2, small, route):
+    report = check_decode(small, mamba2, SMALL, device=DEVICE, route=route, cycles=3)
+    assert_passes(report)
+    assert report.steps >= 3 * SMALL.capacity
+
+
+@pytest.mark.parametrize("route", ["output_only", "state_and_output"])
+def test_odd_sizes(mamba2, odd, route):
+    assert_passes(check_decode(odd, mamba2, ODD, device=DEVICE, route=route, batch=4, seed=3))
+
+
+@pytest.mark.parametrize("flush_at", [1, 2, 3])
+def test_flush_thresholds(mamba2, small, flush_at):
+    assert_passes(check_decode(small, mamba2, SMALL, device=DEVICE, flush_at=flush_at, seed=flush_at))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_activations_without_gate(mamba2, small, dtype):
+    assert_passes(check_decode(small, mamba2, SMALL, device=DEVICE, act_dtype=dtype, use_gate=False, seed=7))
+
+
+def test_larger_capacity_and_batch(mamba2):
+    shape = replace(SMALL, capacity=8)
+    module = load_kernels(mamba2, shape)
+    assert_passes(check_decode(module, mamba2, shape, device=DEVICE, batch=6, cycles=3, seed=11))
+
+
+def test_harness_catches_a_wrong_kernel(mamba2, small, monkeypatch):
+    """The checks are not vacuous: outputs 1% off fail them."""
+
+    class Broken:
+        def __getattr__(self, name):
+            return getattr(small, name)
+
+        @staticmethod
+        def decode(state, slots, **kwargs):
+            out = small.decode(state, slots, **kwargs)
+            return out * 1.01
+
+    report = check_decode(Broken(), mamba2, SMALL, device=DEVICE, cycles=1)
+    assert not report.ok
+
+
+def random_states(module, n, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn((n, *module.STATE_SHAPE), generator=gen).to(DEVICE)
+
+
+def step_inputs(batch, seed, act=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    h, g, p, n = SMALL.heads, SMALL.key_heads, SMALL.value_dim, SMALL.key_dim
+    return {
+        "x": torch.randn(batch, h, p, generator=gen).to(DEVICE, act),
+        "B": torch.randn(batch, g, n, generator=gen).to(DEVICE, act),
+        "C": torch.randn(batch, g, n, generator=gen).to(DEVICE, act),
+        "dt": torch.randn(batch, h, generator=gen).to(DEVICE),
+    }
+
+
+WEIGHTS = {"A_log": torch.zeros(SMALL.heads), "dt_bias": torch.full((SMALL.heads,), -2.0), "D": torch.ones(SMALL.heads)}
+
+
+def test_load_then_materialize_round_trip(small):
+    state = small.allocate(5, DEVICE, torch.float32)
+    init = random_states(small, 3)
+    slots = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEVICE)
+    small.load(state, slots, init)
+    assert torch.equal(small.materialize(state, slots), init)
+    assert state.cursor[[4, 0, 2]].eq(0).all()
+
+
+def test_load_empties_the_buffer(small):
+    state = small.allocate(2, DEVICE, torch.float32)
+    slots = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
+    small.load(state, slots, random_states(small, 2, seed=1))
+    for step in range(2):
+        small.decode(state, slots, **step_inputs(2, step), **WEIGHTS)
+    assert state.cursor[:, 1].tolist() == [2, 2]
+    fresh = random_states(small, 2, seed=2)
+    small.load(state, slots, fresh)
+    assert state.cursor[:, 1].tolist() == [0, 0]
+    assert torch.equal(small.materialize(state, slots), fresh)
+
+
+def test_materialize_leaves_the_buffer_alone(small):
+    state = small.allocate(2, DEVICE, torch.float32)
+    slots = torch.tensor([1, 0], dtype=torch.int32, device=DEVICE)
+    small.load(state, slots, random_states(small, 2, seed=3))
+    small.decode(state, slots, **step_inputs(2, 9), **WEIGHTS)
+    before = [t.clone() for t in (state.checkpoint, *state.buffers(), state.cursor)]
+    first = small.materialize(state, slots)
+    second = small.materialize(state, slots)
+    assert torch.equal(first, second)
+    for old, new in zip(before, (state.checkpoint, *state.buffers(), state.cursor)):
+        assert torch.equal(old, new)
+
+
+def test_materialized_state_continues_the_sequence(small):
+    """A state taken out with materialize and loaded into another slot decodes identically (preemption)."""
+    state = small.allocate(2, DEVICE, torch.float32)
+    small.load(state, torch.tensor([0], dtype=torch.int32, device=DEVICE), random_states(small, 1, seed=4))
+    one = torch.tensor([0], dtype=torch.int32, device=DEVICE)
+    for step in range(2):
+        small.decode(state, one, **step_inputs(1, step), **WEIGHTS)
+    moved = torch.tensor([1], dtype=torch.int32, device=DEVICE)
+    small.load(state, moved, small.materialize(state, one))
+    a = small.decode(state, one, **step_inputs(1, 5), **WEIGHTS)
+    b = small.decode(state, moved, **step_inputs(1, 5), **WEIGHTS)
+    assert relative_error(b, a) < 1e-5
+
+
+class TestApiErrors:
+    def test_wrong_input_shape(self, small):
+        state = small.allocate(2, DEVICE, torch.float32)
+        inputs = step_inputs(2, 0)
+        inputs["x"] = inputs["x"][:, :, :4]
+        with pytest.raises(ValueError, match=r"x has shape \(2, 4, 4\), expected \(2, 4, 8\)"):
+            small.decode(state, torch.zeros(2, dtype=torch.int32, device=DEVICE), **inputs, **WEIGHTS)
+
+    def test_activation_dtype_must_match_the_state(self, small):
+        state = small.allocate(2, DEVICE, torch.bfloat16)
+        with pytest.raises(TypeError, match="allocated for torch.bfloat16"):
+            small.decode(state, torch.zeros(2, dtype=torch.int32, device=DEVICE), **step_inputs(2, 0), **WEIGHTS)
+
+    def test_slots_must_be_int32(self, small):
+        state = small.allocate(2, DEVICE, torch.float32)
+        with pytest.raises(TypeError, match="slots must be an int32 tensor"):
+            small.decode(state, torch.zeros(2, dtype=torch.int64, device=DEVICE), **step_inputs(2, 0), **WEIGHTS)
+
+    def test_weight_shape(self, small):
+        state = small.allocate(2, DEVICE, torch.float32)
+        weights = dict(WEIGHTS, D=torch.ones(3))
+        with pytest.raises(ValueError, match="D has shape"):
+            small.decode(state, torch.zeros(2, dtype=torch.int32, device=DEVICE), **step_inputs(2, 0), **weights)
+
+    def test_last_dim_contiguous(self, small):
+        state = small.allocate(2, DEVICE, torch.float32)
+        inputs = step_inputs(2, 0)
+        inputs["B"] = torch.randn(2, SMALL.key_dim, SMALL.key_heads, device=DEVICE).transpose(1, 2)
+        with pytest.raises(ValueError, match="contiguous in its last dimension"):
+            small.decode(state, torch.zeros(2, dtype=torch.int32, device=DEVICE), **inputs, **WEIGHTS)
+
+    def test_route_and_flush_at(self, small):
+        state = small.allocate(2, DEVICE, torch.float32)
+        slots = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+        with pytest.raises(ValueError, match="route must be one of"):
+            small.decode(state, slots, **step_inputs(2, 0), **WEIGHTS, route="fast")
+        with pytest.raises(ValueError, match="flush_at must be in 1..4"):
+            small.decode(state, slots, **step_inputs(2, 0), **WEIGHTS, flush_at=5)
+
+    def test_missing_input(self, small):
+        state = small.allocate(2, DEVICE, torch.float32)
+        inputs = step_inputs(2, 0)
+        del inputs["C"]
+        with pytest.raises(TypeError, match="C"):
+            small.decode(state, torch.zeros(2, dtype=torch.int32, device=DEVICE), **inputs, **WEIGHTS)
+
+    def test_load_shape(self, small):
+        state = small.allocate(2, DEVICE, torch.float32)
+        with pytest.raises(ValueError, match="states has shape"):
+            small.load(state, torch.zeros(1, dtype=torch.int32, device=DEVICE), torch.zeros(1, 4, 8, 8, device=DEVICE))
+
+    def test_allocation_dtype(self, small):
+        with pytest.raises(ValueError, match="activation_dtype"):
+            small.allocate(2, DEVICE, torch.int8)

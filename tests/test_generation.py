@@ -1,0 +1,121 @@
+"""Code generation: deterministic, self-contained, provenance-stamped, committed modules up to date."""
+
+import ast
+import json
+from dataclasses import replace
+
+import pytest
+
+from replaygen.build import build_spec
+from replaygen.codegen import render_module, template_hash
+from replaygen.configs import BucketConfig, KernelConfig, KernelKind, default_configs
+from replaygen.errors import ReplaygenError, UnsupportedShapeError
+from replaygen.plan import plan_module
+from replaygen.spec import load_spec_text
+
+from conftest import ROOT, SMALL
+
+
+def default_plan(spec, shape, gpu="h100"):
+    return plan_module(spec, shape, gpu, {k: default_configs(k, shape) for k in KernelKind}, "defaults")
+
+
+def header(source: str) -> dict:
+    lines = [line[2:] for line in source.splitlines()[1:] if line.startswith("# ")]
+    end = lines.index("}") + 1
+    return json.loads("\n".join(lines[:end]))
+
+
+def test_rendering_is_deterministic(mamba2):
+    plan = default_plan(mamba2, mamba2.shapes[0])
+    assert render_module(plan) == render_module(default_plan(mamba2, mamba2.shapes[0]))
+
+
+def test_generated_module_imports_only_torch_and_triton(mamba2):
+    tree = ast.parse(render_module(default_plan(mamba2, mamba2.shapes[0])))
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported.add(node.module.split(".")[0])
+    assert imported == {"torch", "triton"}
+
+
+def test_provenance_header(mamba2):
+    source = render_module(default_plan(mamba2, mamba2.shapes[0]))
+    info = header(source)
+    assert info["spec"] == "mamba2"
+    assert info["spec_sha256"] == mamba2.source_sha256
+    assert info["template_sha256"] == template_hash()
+    assert info["shape"]["name"] == "nemotron-h" and info["shape"]["heads"] == 128
+    assert info["gpu"] == "h100"
+    assert info["config_source"] == "defaults"
+    assert "replay_decode" in info["configs"]
+    assert info["replaygen_version"]
+
+
+def test_config_changes_the_source(mamba2):
+    shape = mamba2.shapes[0]
+    configs = {k: default_configs(k, shape) for k in KernelKind}
+    a = render_module(plan_module(mamba2, shape, "h100", configs, "defaults"))
+    configs[KernelKind.BASELINE_DECODE] = (BucketConfig(None, KernelConfig(block_v=32, num_warps=8)),)
+    b = render_module(plan_module(mamba2, shape, "h100", configs, "defaults"))
+    assert a != b and "'block_v': 32, 'num_warps': 8" in b
+
+
+def test_shape_is_baked_in(mamba2):
+    source = render_module(default_plan(mamba2, SMALL))
+    assert "HEADS = tl.constexpr(4)" in source and "KEY_DIM = tl.constexpr(16)" in source
+    compile(source, "small.py", "exec")
+
+
+def test_build_writes_then_reports_unchanged(mamba2, tmp_path):
+    first = build_spec(mamba2, mamba2.shapes[:2], "h100", tmp_path)
+    assert all(m.written for m in first)
+    assert (tmp_path / "h100" / "mamba2_nemotron_h.py").is_file()
+    assert (tmp_path / "h100" / "__init__.py").is_file()
+    second = build_spec(mamba2, mamba2.shapes[:2], "h100", tmp_path)
+    assert not any(m.written for m in second)
+
+
+def test_committed_modules_are_current(mamba2, tmp_path):
+    """generated/h100 holds exactly what `replaygen build specs/mamba2.yaml --gpu h100` writes."""
+    for module in build_spec(mamba2, mamba2.shapes, "h100", tmp_path):
+        committed = ROOT / "generated" / "h100" / module.path.name
+        assert committed.is_file(), f"{committed} is missing: run replaygen build specs/mamba2.yaml --gpu h100"
+        assert committed.read_text() == module.path.read_text(), f"{committed} is stale: rebuild it"
+
+
+def test_bad_gpu_name(mamba2, tmp_path):
+    with pytest.raises(ReplaygenError, match="--gpu"):
+        build_spec(mamba2, mamba2.shapes[:1], "H100 SXM", tmp_path)
+
+
+def test_invalid_config_rejected_before_compile(mamba2):
+    shape = mamba2.shapes[0]
+    configs = {k: default_configs(k, shape) for k in KernelKind}
+    configs[KernelKind.REPLAY_DECODE] = (BucketConfig(None, KernelConfig(block_v=24)),)
+    with pytest.raises(UnsupportedShapeError, match="power of two"):
+        plan_module(mamba2, shape, "h100", configs, "defaults")
+    configs[KernelKind.REPLAY_DECODE] = (BucketConfig(None, KernelConfig(block_v=16, flush_at=99)),)
+    with pytest.raises(UnsupportedShapeError, match="flush_at"):
+        plan_module(mamba2, shape, "h100", configs, "defaults")
+    configs[KernelKind.REPLAY_DECODE] = (BucketConfig(8, KernelConfig(block_v=16)),)
+    with pytest.raises(UnsupportedShapeError, match="open-ended"):
+        plan_module(mamba2, shape, "h100", configs, "defaults")
+
+
+def test_every_shape_of_every_shipped_spec_compiles(mamba2):
+    for shape in mamba2.shapes:
+        compile(render_module(default_plan(mamba2, shape)), shape.name, "exec")
+    odd = replace(SMALL, value_dim=12, key_dim=20)
+    compile(render_module(default_plan(mamba2, odd)), "odd", "exec")
+
+
+def test_layout_option_changes_strides(mamba2):
+    text = (ROOT / "specs" / "mamba2.yaml").read_text().replace("layout: value_key", "layout: key_value")
+    spec = load_spec_text(text, "kv.yaml")
+    source = render_module(default_plan(spec, SMALL))
+    assert "STATE_STRIDE_V = tl.constexpr(1)" in source and "STATE_STRIDE_K = tl.constexpr(8)" in source
+    assert "STATE_SHAPE = (4, 16, 8)" in source

@@ -1,0 +1,200 @@
+"""Spec loading: every validation rule rejects bad input with file, line and YAML path."""
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from replaygen.errors import SpecError
+from replaygen.spec import load_spec, load_spec_text
+from replaygen.spec.model import CacheField, DecayForm, UpdateKind
+
+ROOT = Path(__file__).resolve().parent.parent
+MAMBA2 = (ROOT / "specs" / "mamba2.yaml").read_text()
+
+
+def edit(old: str, new: str, text: str = MAMBA2) -> str:
+    assert old in text, f"fixture text not found: {old!r}"
+    return text.replace(old, new, 1)
+
+
+def rejects(text: str, path: str, message: str) -> SpecError:
+    with pytest.raises(SpecError) as info:
+        load_spec_text(text, "bad.yaml")
+    err = info.value
+    assert err.file == "bad.yaml"
+    assert err.path == path, str(err)
+    assert message in err.message, str(err)
+    assert err.line is not None and err.line >= 1
+    assert str(err).startswith(f"bad.yaml:{err.line}: at '{path}'")
+    return err
+
+
+def line_of(text: str, needle: str) -> int:
+    return next(i for i, line in enumerate(text.splitlines(), 1) if needle in line)
+
+
+def test_shipped_spec_loads(mamba2):
+    assert mamba2.name == "mamba2"
+    assert mamba2.update.kind is UpdateKind.ADDITIVE
+    assert mamba2.decay.form is DecayForm.NEG_EXP_SOFTPLUS
+    assert {c.field for c in mamba2.cache} == {CacheField.VALUE, CacheField.KEY, CacheField.LOG_DECAY, CacheField.WEIGHT}
+    main = mamba2.shape("nemotron-h")
+    assert (main.heads, main.key_heads, main.value_dim, main.key_dim) == (128, 8, 64, 128)
+    assert [s.heads for s in mamba2.shapes[:4]] == [128, 64, 32, 16]
+
+
+def test_unknown_key_top_level():
+    text = edit("spec_version: 1", "spec_version: 1\nflavour: spicy")
+    err = rejects(text, "flavour", "unknown key 'flavour'")
+    assert err.line == line_of(text, "flavour")
+
+
+def test_unknown_key_nested():
+    text = edit("  granularity: head", "  granularity: head\n  speed: 3")
+    err = rejects(text, "decay.speed", "unknown key 'speed'")
+    assert err.line == line_of(text, "speed: 3")
+
+
+def test_missing_field():
+    rejects(edit("  form: neg_exp_softplus\n", ""), "decay", "missing required key 'form'")
+
+
+def test_wrong_type():
+    text = edit("capacity: 16      # L", "capacity: sixteen")
+    err = rejects(text, "replay.capacity", "expected an integer, got a string")
+    assert err.line == line_of(text, "capacity: sixteen")
+
+
+def test_boolean_is_not_an_integer():
+    rejects(edit("capacity: 16      # L", "capacity: true"), "replay.capacity", "expected an integer, got a boolean")
+
+
+def test_name_must_be_identifier():
+    rejects(edit("value: x          # [batch, H, P]", "value: x-1"), "inputs.value", "not a valid name")
+
+
+def test_name_must_not_be_keyword():
+    rejects(edit("value: x          # [batch, H, P]", "value: lambda"), "inputs.value", "not a valid name")
+
+
+def test_name_must_not_be_reserved():
+    rejects(edit("skip: D           # [H]", "skip: state"), "readout.skip", "reserved by the generated API")
+
+
+def test_names_must_be_distinct():
+    rejects(edit("skip: D           # [H]", "skip: x"), "readout.skip", "already used at inputs.value")
+
+
+def test_duplicate_yaml_key():
+    text = edit("  key: B            # [batch, G, N]", "  key: B\n  key: C2")
+    rejects(text, "inputs.key", "duplicate key 'key'")
+
+
+def test_yaml_syntax_error_has_line():
+    with pytest.raises(SpecError) as info:
+        load_spec_text("name: [unclosed\nspec_version: 1\n", "broken.yaml")
+    assert info.value.line is not None and "invalid YAML" in info.value.message
+
+
+def test_heads_multiple_of_key_heads():
+    text = edit("nemotron-h-tp2: {heads: 64, key_heads: 4,", "nemotron-h-tp2: {heads: 64, key_heads: 5,")
+    err = rejects(text, "shapes.nemotron-h-tp2.key_heads", "heads=64 is not a multiple of key_heads=5")
+    assert err.line == line_of(text, "nemotron-h-tp2")
+
+
+def test_key_sharing_head_needs_equal_heads():
+    rejects(edit("key_sharing: key_head", "key_sharing: head"), "shapes.nemotron-h.key_heads", "key_heads must equal heads")
+
+
+def test_capacity_too_small_for_window():
+    rejects(edit("capacity: 16      # L", "capacity: 6"), "replay.capacity", "flush rule h + 2T > L needs L >= 2T=8")
+
+
+def test_shape_capacity_too_small_for_window():
+    text = edit("nemotron-h-l8:  {heads: 128, key_heads: 8, value_dim: 64, key_dim: 128, capacity: 8}", "nemotron-h-l8:  {heads: 128, key_heads: 8, value_dim: 64, key_dim: 128, capacity: 5}")
+    rejects(text, "shapes.nemotron-h-l8.capacity", "L >= 2T=8")
+
+
+def test_unsupported_dtype_pair():
+    text = edit("state: {dtype: float32, layout: value_key}", "state: {dtype: bfloat16, layout: value_key}")
+    rejects(text, "activations[2]", "unsupported dtype pair")
+
+
+def test_float16_state_rejected():
+    rejects(edit("state: {dtype: float32,", "state: {dtype: float16,"), "state.dtype", "float16 state is not supported")
+
+
+def test_unknown_enum_value():
+    rejects(edit("kind: additive", "kind: multiplicative"), "update.kind", "unknown value 'multiplicative'")
+
+
+def test_language_primitive_without_template():
+    rejects(edit("kind: additive", "kind: trapezoid"), "update.kind", "no template of this replaygen version implements it yet")
+
+
+def test_cache_missing_field():
+    rejects(edit("    weight: float32\n", ""), "replay.cache", "needs cached fields weight")
+
+
+def test_cache_field_not_used_by_rule():
+    rejects(edit("    value: activation", "    corrected_value: activation"), "replay.cache.corrected_value", "not replayed by the additive update")
+
+
+def test_cache_scalar_fields_are_float32():
+    rejects(edit("    log_decay: float32", "    log_decay: bfloat16"), "replay.cache.log_decay", "must be cached as float32")
+
+
+def test_weight_decay_dt_needs_softplus_form():
+    text = edit("  form: neg_exp_softplus\n  input: dt         # [batch, H]\n  rate: A_log       # [H]\n  bias: dt_bias     # [H]", "  form: direct\n  input: dt")
+    rejects(text, "update.weight", "decay.form must be 'neg_exp_softplus'")
+
+
+def test_weight_decay_dt_needs_head_granularity():
+    rejects(edit("granularity: head", "granularity: channel"), "update.weight", "decay.granularity must be 'head'")
+
+
+def test_direct_form_takes_no_rate():
+    text = edit("  form: neg_exp_softplus", "  form: direct")
+    rejects(text, "decay.rate", "remove 'rate' and 'bias'")
+
+
+def test_spec_version_checked():
+    rejects(edit("spec_version: 1", "spec_version: 2"), "spec_version", "unsupported spec_version 2")
+
+
+def test_shape_name_rules():
+    rejects(edit("nemotron-h-tp8:", "Nemotron_TP8:"), "shapes.Nemotron_TP8", "lowercase letters")
+
+
+def test_dimension_out_of_range():
+    rejects(edit("nemotron-h-tp8: {heads: 16, key_heads: 1, value_dim: 64, key_dim: 128}", "nemotron-h-tp8: {heads: 16, key_heads: 1, value_dim: 64, key_dim: 512}"), "shapes.nemotron-h-tp8.key_dim", "must be between 1 and 256")
+
+
+def test_empty_file():
+    with pytest.raises(SpecError, match="empty"):
+        load_spec_text("", "empty.yaml")
+
+
+def test_unreadable_file(tmp_path):
+    with pytest.raises(SpecError, match="cannot read spec file"):
+        load_spec(tmp_path / "missing.yaml")
+
+
+def test_values_are_never_evaluated():
+    text = edit("value: x          # [batch, H, P]", "value: __import__('os')")
+    rejects(text, "inputs.value", "not a valid name")
+
+
+def test_source_hash_tracks_content():
+    a = load_spec_text(MAMBA2, "a.yaml")
+    b = load_spec_text(MAMBA2 + "\n# comment\n", "a.yaml")
+    assert a.source_sha256 != b.source_sha256
+
+
+def test_spec_error_text(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(textwrap.dedent(edit("capacity: 16      # L", "capacity: 1")))
+    with pytest.raises(SpecError) as info:
+        load_spec(bad)
+    assert str(bad) in str(info.value) and "replay.capacity" in str(info.value)
