@@ -90,10 +90,11 @@ def cmd_check(args: argparse.Namespace) -> int:
         os.environ["TRITON_INTERPRET"] = "1"
     from replaygen.build import select_shapes
     from replaygen.harness import check_decode
-    from replaygen.runtime import load_kernels
+    from replaygen.runtime import load_kernels, require_interpreter_support
     from replaygen.spec import load_spec
-    from replaygen.spec.model import TargetShape
 
+    if not has_gpu:
+        require_interpreter_support()
     spec = load_spec(args.spec)
     device = "cuda" if has_gpu else "cpu"
     dtype = getattr(torch, DTYPES[args.dtype or ("bf16" if has_gpu else "fp32")])

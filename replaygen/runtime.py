@@ -10,8 +10,21 @@ from types import ModuleType
 
 from replaygen.codegen import render_module, source_hash, write_if_changed
 from replaygen.configs import BucketConfig, KernelKind, default_configs
+from replaygen.errors import ReplaygenError
 from replaygen.plan import plan_module
 from replaygen.spec.model import Spec, TargetShape
+
+
+def require_interpreter_support() -> None:
+    """Fail clearly where the Triton interpreter cannot run our kernels (data-dependent loop bounds)."""
+    import numpy
+
+    major, minor = (int(part) for part in numpy.__version__.split(".")[:2])
+    if (major, minor) >= (2, 4):
+        raise ReplaygenError(
+            f"the Triton interpreter (CPU checks) cannot run kernels with data-dependent loop bounds under numpy {numpy.__version__}; "
+            "install numpy<2.4 (pip install 'numpy<2.4'), or run on a GPU"
+        )
 
 
 def cache_dir() -> Path:

@@ -6,6 +6,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+    from replaygen.runtime import require_interpreter_support
+
+    require_interpreter_support()
 
 from pathlib import Path  # noqa: E402
 
