@@ -89,7 +89,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     if not has_gpu:
         os.environ["TRITON_INTERPRET"] = "1"
     from replaygen.build import select_shapes
-    from replaygen.harness import check_decode
+    from replaygen.harness import check_decode, check_speculative
     from replaygen.runtime import load_kernels, require_interpreter_support
     from replaygen.spec import load_spec
 
@@ -105,8 +105,17 @@ def cmd_check(args: argparse.Namespace) -> int:
             run_shape = _reduced(shape)
         print(f"{spec.name}/{shape.name} on {device}" + ("" if run_shape == shape else f" (reduced for the interpreter: {_describe(run_shape)}; --full for the real shape)"))
         module = load_kernels(spec, run_shape)
-        for route in ("output_only", "state_and_output"):
-            report = check_decode(module, spec, run_shape, device=device, act_dtype=dtype, batch=args.batch, cycles=args.cycles, route=route)
+        reports = [
+            check_decode(module, spec, run_shape, device=device, act_dtype=dtype, batch=args.batch, cycles=args.cycles, route=route)
+            for route in ("output_only", "state_and_output")
+        ]
+        steps = args.cycles * max(2, run_shape.capacity // run_shape.window)
+        reports += [
+            check_speculative(module, spec, run_shape, device=device, act_dtype=dtype, batch=args.batch, steps=steps, accept=accept)
+            for accept in ("random", "all")
+        ]
+        reports.append(check_speculative(module, spec, run_shape, device=device, act_dtype=dtype, batch=args.batch, steps=steps, mixed=True))
+        for report in reports:
             print("\n".join(report.lines()))
             failed += not report.ok
     print("all checks passed" if not failed else f"{failed} check(s) FAILED")

@@ -27,6 +27,9 @@ class KernelKind(enum.Enum):
     REPLAY_DECODE = "replay_decode"
     MATERIALIZE = "materialize"
     LOAD = "load"
+    REPLAY_VERIFY = "replay_verify"
+    COMMIT = "commit"
+    BASELINE_VERIFY = "baseline_verify"
 
 
 class Route(enum.Enum):
@@ -89,6 +92,8 @@ def default_configs(kind: KernelKind, shape: TargetShape) -> tuple[BucketConfig,
             BucketConfig(1, KernelConfig(block_v=block_v, num_warps=4, flush_at=1)),
             BucketConfig(None, KernelConfig(block_v=block_v, num_warps=4, flush_at=0)),
         )
+    if kind is KernelKind.COMMIT:
+        return (BucketConfig(None, KernelConfig(block_v=max(CURSOR_GRAIN, _next_pow2(shape.value_dim)), num_warps=1)),)
     return (BucketConfig(None, KernelConfig(block_v=block_v, num_warps=4)),)
 
 

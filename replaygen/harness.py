@@ -16,7 +16,7 @@ import torch
 
 from replaygen.plan import api_tensors
 from replaygen.reference import Reference
-from replaygen.spec.model import DecayGranularity, Spec, TargetShape
+from replaygen.spec.model import Spec, TargetShape
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
 POISON_CURSOR = -777
@@ -64,12 +64,19 @@ class InputFactory:
         return out
 
     def step(self, batch: int, *, use_gate: bool = True, use_direct: bool = False) -> dict[str, torch.Tensor | None]:
-        """Inputs of one token for `batch` rows ([batch, T, ...] is the verify form, not this)."""
+        """Inputs of one token for `batch` rows: [batch, ...]."""
+        return self._inputs((batch,), use_gate, use_direct)
+
+    def window(self, batch: int, tokens: int, *, use_gate: bool = True, use_direct: bool = False) -> dict[str, torch.Tensor | None]:
+        """Inputs of a window of `tokens` tokens for `batch` rows: [batch, T, ...]."""
+        return self._inputs((batch, tokens), use_gate, use_direct)
+
+    def _inputs(self, lead: tuple[int, ...], use_gate: bool, use_direct: bool) -> dict[str, torch.Tensor | None]:
         s = self.spec
         act_names = {s.inputs.value, s.inputs.key, s.inputs.query}
         out: dict[str, torch.Tensor | None] = {}
         for arg in self.inputs:
-            size = (batch, *arg.sizes)
+            size = (*lead, *arg.sizes)
             name = arg.name
             if name == s.decay.input:
                 values = None if use_direct and s.decay.direct_input else self._randn(*size) * 0.5
@@ -141,6 +148,39 @@ def _still_poisoned(tensor: torch.Tensor, slots: list[int]) -> bool:
     return bool((part == POISON_CURSOR).all())
 
 
+class Schedule:
+    """Which slot each batch row uses and when: rows join at different steps (different flush phases),
+    row 1 sits out some steps (a padding row), and the slots no row uses stay poisoned."""
+
+    def __init__(self, batch: int, period: int, gen: torch.Generator):
+        self.batch = batch
+        self.num_slots = batch + 2
+        perm = torch.randperm(self.num_slots, generator=gen).tolist()
+        self.row_slot = perm[:batch]
+        self.unused = perm[batch:]
+        self.offsets = [0] + [1 + (3 * r) % period for r in range(1, batch)]
+
+    def joining(self, step: int) -> list[int]:
+        return [self.row_slot[r] for r in range(self.batch) if self.offsets[r] == step]
+
+    def active(self, step: int) -> list[bool]:
+        return [step >= self.offsets[r] and not (r == 1 and step % 7 == 3) for r in range(self.batch)]
+
+    def slots(self, step: int) -> list[int]:
+        return [self.row_slot[r] if a else -1 for r, a in enumerate(self.active(step))]
+
+
+def _untouched(replay: object, extra: tuple[tuple[str, torch.Tensor], ...], unused: list[int]) -> list[str]:
+    problems = []
+    for name, tensor in (("checkpoint", replay.checkpoint), ("cursor", replay.cursor), *extra):
+        if not _still_poisoned(tensor, unused):
+            problems.append(f"{name} of unused slots {unused}")
+    for index, tensor in enumerate(replay.buffers()):
+        if not _still_poisoned(tensor, unused):
+            problems.append(f"buffer {index} of unused slots {unused}")
+    return problems
+
+
 def check_decode(
     module: ModuleType,
     spec: Spec,
@@ -159,57 +199,143 @@ def check_decode(
     """Standard decode (replay, baseline, materialize, load) against the reference over `cycles` flush cycles."""
     factory = InputFactory(spec, shape, device, act_dtype, seed)
     weights = factory.weights()
-    num_slots = batch + 2
-    perm = torch.randperm(num_slots, generator=factory.gen).tolist()
-    row_slot = perm[:batch]
-    unused = perm[batch:]
     period = flush_at or shape.capacity
-    offsets = [0] + [1 + (3 * r) % period for r in range(1, batch)]  # different flush phases
-    steps = cycles * period + max(offsets)
-
-    replay = module.allocate(num_slots, device, act_dtype)
-    baseline = module.allocate_baseline(num_slots, device)
-    reference = Reference(spec, shape, num_slots)
+    plan = Schedule(batch, period, factory.gen)
+    steps = cycles * period + max(plan.offsets)
+    replay = module.allocate(plan.num_slots, device, act_dtype)
+    baseline = module.allocate_baseline(plan.num_slots, device)
+    reference = Reference(spec, shape, plan.num_slots)
+    all_slots = list(range(plan.num_slots))
     for tensor in (replay.checkpoint, *replay.buffers(), replay.cursor, baseline):
-        _poison(tensor, [s for s in range(num_slots)])
+        _poison(tensor, all_slots)
     errors = KernelErrors()
     for step in range(steps):
-        joining = [r for r in range(batch) if offsets[r] == step]
+        joining = plan.joining(step)
         if joining:
-            slots = torch.tensor([row_slot[r] for r in joining], dtype=torch.int32, device=device)
             init = factory.states(len(joining), tuple(module.STATE_SHAPE))
-            module.load(replay, slots, init)
-            baseline[slots.long()] = init
-            reference.load([row_slot[r] for r in joining], init.cpu())
-        active = [step >= offsets[r] and not (r == 1 and step % 7 == 3) for r in range(batch)]
-        row_slots = [row_slot[r] if active[r] else -1 for r in range(batch)]
+            module.load(replay, torch.tensor(joining, dtype=torch.int32, device=device), init)
+            baseline[joining] = init
+            reference.load(joining, init.cpu())
+        row_slots = plan.slots(step)
         slots = torch.tensor(row_slots, dtype=torch.int32, device=device)
+        rows = [r for r, s in enumerate(row_slots) if s >= 0]
+        padded = [r for r, s in enumerate(row_slots) if s < 0]
         inputs = factory.step(batch, use_gate=use_gate, use_direct=use_direct)
-        rows = [r for r in range(batch) if active[r]]
         sentinel = torch.full((batch, shape.heads, shape.value_dim), float("nan"), dtype=act_dtype, device=device)
         y_ref = reference.decode(row_slots, inputs, weights)
         y_rep = module.decode(replay, slots, **inputs, **weights, out=sentinel.clone(), route=route, flush_at=flush_at)
         y_base = module.baseline_decode(baseline, slots, **inputs, **weights, out=sentinel.clone())
         for name, y in (("replay_decode", y_rep), ("baseline_decode", y_base)):
-            if rows:
-                errors.record(name, relative_error(y[rows], y_ref[rows]), step)
-            if len(rows) < batch and not torch.isnan(y[[r for r in range(batch) if not active[r]]]).all():
-                errors.record(name + " (padding row written)", float("inf"), step)
-        mat = module.materialize(replay, slots, out=torch.full((batch, *module.STATE_SHAPE), float("nan"), device=device))
+            _compare(errors, name, y, y_ref, rows, padded, step)
+        _compare_states(errors, module, replay, reference, slots, rows, [row_slots[r] for r in rows], step)
         if rows:
-            ref_states = reference.to_layout(reference.states[[row_slot[r] for r in rows]])
-            errors.record("materialize", relative_error(mat[rows], ref_states), step)
-            errors.record("baseline_state", relative_error(baseline[[row_slot[r] for r in rows]], ref_states), step)
-    untouched = []
-    for name, tensor in (("checkpoint", replay.checkpoint), ("cursor", replay.cursor), ("baseline state", baseline)):
-        if not _still_poisoned(tensor, unused):
-            untouched.append(f"{name} of unused slots {unused}")
-    for index, tensor in enumerate(replay.buffers()):
-        if not _still_poisoned(tensor, unused):
-            untouched.append(f"buffer {index} of unused slots {unused}")
+            ref_states = reference.to_layout(reference.states[[row_slots[r] for r in rows]])
+            errors.record("baseline_state", relative_error(baseline[[row_slots[r] for r in rows]], ref_states), step)
+    untouched = _untouched(replay, (("baseline state", baseline),), plan.unused)
     label = f"decode route={route or 'default'} flush_at={flush_at or 'default'} {str(act_dtype).replace('torch.', '')} batch={batch}"
     return CheckReport(label, steps, TOLERANCE[act_dtype], dict(errors.worst), tuple(untouched))
 
 
-def decay_is_per_channel(spec: Spec) -> bool:
-    return spec.decay.granularity is DecayGranularity.CHANNEL
+def _compare(errors: KernelErrors, name: str, y: torch.Tensor, y_ref: torch.Tensor, rows: list[int], padded: list[int], step: int) -> None:
+    """Outputs of active rows against the reference; padded rows must keep their NaN sentinel."""
+    if rows:
+        errors.record(name, relative_error(y[rows], y_ref[rows]), step)
+    if padded and not torch.isnan(y[padded]).all():
+        errors.record(name + " (padding row written)", float("inf"), step)
+
+
+def _compare_states(errors, module, replay, reference, slots, rows, row_slots, step) -> None:
+    """materialize of every row (NaN-prefilled) against the reference's states."""
+    out = torch.full((slots.shape[0], *module.STATE_SHAPE), float("nan"), device=slots.device)
+    mat = module.materialize(replay, slots, out=out)
+    if rows:
+        errors.record("materialize", relative_error(mat[rows], reference.to_layout(reference.states[row_slots])), step)
+
+
+ACCEPT_PATTERNS = ("random", "all", "none")
+
+
+def check_speculative(
+    module: ModuleType,
+    spec: Spec,
+    shape: TargetShape,
+    *,
+    device: str | torch.device = "cpu",
+    act_dtype: torch.dtype = torch.float32,
+    batch: int = 3,
+    steps: int = 12,
+    tokens: int | None = None,
+    accept: str = "random",
+    mixed: bool = False,
+    compare_baseline: bool = True,
+    use_gate: bool = True,
+    seed: int = 0,
+) -> CheckReport:
+    """Replay verify + commit (and the per-draft-snapshot baseline) against the reference.
+
+    accept: "random" (0..T per row, 1..T when the baseline is compared), "all" (T), or "none"
+    (0 for replay alone, 1 with the baseline: only the window's first token survives).
+    mixed: every third step is a standard decode step on the same state; the snapshot baseline
+    has no such step, so a mixed schedule checks the replay path alone.
+    """
+    if accept not in ACCEPT_PATTERNS:
+        raise ValueError(f"accept must be one of {ACCEPT_PATTERNS}")
+    compare_baseline = compare_baseline and not mixed
+    tokens = tokens or shape.window
+    factory = InputFactory(spec, shape, device, act_dtype, seed)
+    weights = factory.weights()
+    plan = Schedule(batch, max(2, shape.capacity // tokens), factory.gen)
+    replay = module.allocate(plan.num_slots, device, act_dtype)
+    snapshots, current = module.allocate_snapshots(plan.num_slots, device, tokens)
+    reference = Reference(spec, shape, plan.num_slots)
+    all_slots = list(range(plan.num_slots))
+    for tensor in (replay.checkpoint, *replay.buffers(), replay.cursor, snapshots):
+        _poison(tensor, all_slots)
+    low = 1 if compare_baseline else 0
+    errors = KernelErrors()
+    total = steps + max(plan.offsets)
+    for step in range(total):
+        joining = plan.joining(step)
+        if joining:
+            init = factory.states(len(joining), tuple(module.STATE_SHAPE))
+            index = torch.tensor(joining, dtype=torch.int32, device=device)
+            module.load(replay, index, init)
+            snapshots[joining, 0] = init
+            current[joining] = 0
+            reference.load(joining, init.cpu())
+        row_slots = plan.slots(step)
+        slots = torch.tensor(row_slots, dtype=torch.int32, device=device)
+        rows = [r for r, s in enumerate(row_slots) if s >= 0]
+        padded = [r for r, s in enumerate(row_slots) if s < 0]
+        if mixed and step % 3 == 1:
+            inputs = factory.step(batch, use_gate=use_gate)
+            sentinel = torch.full((batch, shape.heads, shape.value_dim), float("nan"), dtype=act_dtype, device=device)
+            y_ref = reference.decode(row_slots, inputs, weights)
+            _compare(errors, "replay_decode", module.decode(replay, slots, **inputs, **weights, out=sentinel), y_ref, rows, padded, step)
+        else:
+            inputs = factory.window(batch, tokens, use_gate=use_gate)
+            sentinel = torch.full((batch, tokens, shape.heads, shape.value_dim), float("nan"), dtype=act_dtype, device=device)
+            y_ref = reference.verify(row_slots, inputs, weights)
+            _compare(errors, "replay_verify", module.verify(replay, slots, **inputs, **weights, out=sentinel.clone()), y_ref, rows, padded, step)
+            if compare_baseline:
+                y_base = module.baseline_verify(snapshots, current, slots, **inputs, **weights, out=sentinel.clone())
+                _compare(errors, "baseline_verify", y_base, y_ref, rows, padded, step)
+            if accept == "all":
+                counts = [tokens] * batch
+            elif accept == "none":
+                counts = [low] * batch
+            else:
+                counts = torch.randint(low, tokens + 1, (batch,), generator=factory.gen).tolist()
+            accepted = torch.tensor(counts, dtype=torch.int32, device=device)
+            module.commit(replay, slots, accepted, tokens)
+            if compare_baseline:
+                module.baseline_commit(current, slots, accepted)
+            reference.commit(row_slots, counts)
+        _compare_states(errors, module, replay, reference, slots, rows, [row_slots[r] for r in rows], step)
+        if compare_baseline and rows:
+            active = [row_slots[r] for r in rows]
+            committed = snapshots[active, current[active].long()]
+            errors.record("baseline_state", relative_error(committed, reference.to_layout(reference.states[active])), step)
+    untouched = _untouched(replay, (("baseline snapshots", snapshots),), plan.unused)
+    label = f"speculative T={tokens} accept={accept}{' mixed' if mixed else ''} {str(act_dtype).replace('torch.', '')} batch={batch}"
+    return CheckReport(label, total, TOLERANCE[act_dtype], dict(errors.worst), tuple(untouched))

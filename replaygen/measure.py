@@ -85,12 +85,25 @@ def capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
 class DecodeWorkload:
     """Layer states and inputs for timing one module's decode kernels at one batch size."""
 
-    def __init__(self, module: ModuleType, spec: Spec, shape: TargetShape, batch: int, act_dtype: torch.dtype, device: torch.device, seed: int = 0):
+    def __init__(
+        self,
+        module: ModuleType,
+        spec: Spec,
+        shape: TargetShape,
+        batch: int,
+        act_dtype: torch.dtype,
+        device: torch.device,
+        seed: int = 0,
+        layers: int | None = None,
+    ):
+        """`layers` defaults to enough layer states to exceed 4x the GPU's L2 (at least 2)."""
         self.module = module
         self.batch = batch
         self.shape = shape
-        per_layer = batch * state_bytes(spec, shape)
-        self.layers = max(2, min(MAX_LAYERS, math.ceil(4 * l2_bytes(device) / per_layer)))
+        if layers is None:
+            per_layer = batch * state_bytes(spec, shape)
+            layers = max(2, min(MAX_LAYERS, math.ceil(4 * l2_bytes(device) / per_layer)))
+        self.layers = layers
         factory = InputFactory(spec, shape, device, act_dtype, seed)
         self.weights = factory.weights()
         self.inputs = [factory.step(batch, use_gate=False) for _ in range(self.layers)]
@@ -107,9 +120,10 @@ class DecodeWorkload:
 
     def stagger(self, flush_at: int) -> None:
         """Start slot i with i % flush_at buffered entries, so sequences flush on different steps."""
+        phase = torch.arange(self.batch, dtype=torch.int32, device=self.slots.device) % flush_at
         for state in self.replay:
-            state.cursor[:, 0] = 0
-            state.cursor[:, 1] = torch.arange(self.batch, device=state.cursor.device, dtype=torch.int32) % flush_at
+            state.cursor[..., 0] = 0
+            state.cursor[..., 1] = phase[:, None, None]
 
     def time_replay(self, route: str, flush_at: int, repeats: int = 30) -> Timing:
         """Per-step time of replay decode over whole flush cycles of `flush_at` steps."""

@@ -68,6 +68,36 @@ class Reference:
         out[rows] = y
         return out
 
+    def verify(self, slots: list[int], inputs: Mapping[str, torch.Tensor | None], weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Run a window [batch, T, ...] token by token from each slot's committed state, without committing.
+
+        Returns outputs [batch, T, H, V] (NaN rows for padding); `commit` then keeps a prefix.
+        """
+        value = inputs[self.spec.inputs.value]
+        batch, tokens = value.shape[:2]
+        out = torch.full((batch, tokens, self.shape.heads, self.shape.value_dim), float("nan"), dtype=F64)
+        rows = [r for r, s in enumerate(slots) if s >= 0]
+        self._window = {}
+        if not rows:
+            return out
+        index = torch.tensor([slots[r] for r in rows])
+        w64 = {name: t.detach().to("cpu", F64) for name, t in weights.items()}
+        S = self.states[index]
+        states = []
+        for t in range(tokens):
+            picked = {name: (None if x is None else x.detach().to("cpu", F64)[rows, t]) for name, x in inputs.items()}
+            S, y = self.step(S, picked, w64)
+            out[rows, t] = y
+            states.append(S)
+        self._window = {slots[r]: [st[i] for st in states] for i, r in enumerate(rows)}
+        return out
+
+    def commit(self, slots: list[int], accepted: list[int]) -> None:
+        """Keep the first accepted[b] tokens of the last verified window of each slot."""
+        for slot, keep in zip(slots, accepted):
+            if slot >= 0 and keep > 0:
+                self.states[slot] = self._window[slot][keep - 1]
+
     def step(self, S: torch.Tensor, x: Mapping[str, torch.Tensor | None], w: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """One recurrence step. S: [n, H, V, K]; inputs as the API names them, batch-first. Returns (S', y [n, H, V])."""
         spec, shape = self.spec, self.shape

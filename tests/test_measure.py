@@ -1,0 +1,22 @@
+"""Benchmark workloads: set-up and the step functions they capture run (on the CPU here; timing needs a GPU)."""
+
+import torch
+
+from replaygen.measure import DecodeWorkload
+from replaygen.runtime import load_kernels
+
+from conftest import DEVICE, SMALL
+
+
+def test_workload_staggers_phases_and_steps(mamba2):
+    module = load_kernels(mamba2, SMALL)
+    work = DecodeWorkload(module, mamba2, SMALL, batch=3, act_dtype=torch.float32, device=torch.device(DEVICE), layers=2)
+    work.stagger(3)
+    counts = work.replay[0].cursor[..., 1]
+    assert counts[:, 0, 0].tolist() == [0, 1, 2]
+    assert (counts == counts[:, :1, :1]).all()  # every copy of a slot agrees
+    state, inputs = work.replay[1], work.inputs[1]
+    module.decode(state, work.slots, **inputs, **work.weights, flush_at=3)
+    assert state.cursor[..., 1][:, 0, 0].tolist() == [1, 2, 0]
+    out = module.baseline_decode(work.baseline[0], work.slots, **inputs, **work.weights)
+    assert torch.isfinite(out).all()

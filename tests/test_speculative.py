@@ -1,0 +1,105 @@
+"""Speculative decoding: replay verify + commit and the per-draft-snapshot baseline against the reference."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from replaygen.harness import check_speculative
+from replaygen.runtime import load_kernels
+
+from conftest import DEVICE, SMALL
+
+SPEC_SHAPE = replace(SMALL, capacity=8, window=4)
+
+
+@pytest.fixture(scope="module")
+def kernels(mamba2):
+    return load_kernels(mamba2, SPEC_SHAPE)
+
+
+def assert_passes(report, kernels=("replay_verify", "materialize")):
+    assert report.ok, "\n".join(report.lines())
+    assert set(kernels) <= set(report.worst), report.worst
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 4])
+def test_random_acceptance_against_reference_and_baseline(mamba2, kernels, tokens):
+    report = check_speculative(kernels, mamba2, SPEC_SHAPE, device=DEVICE, tokens=tokens, steps=10, seed=tokens)
+    assert_passes(report, ("replay_verify", "baseline_verify", "baseline_state", "materialize"))
+
+
+def test_all_accepted_flushes_every_window(mamba2, kernels):
+    assert_passes(check_speculative(kernels, mamba2, SPEC_SHAPE, device=DEVICE, accept="all", steps=10, seed=5))
+
+
+def test_all_rejected(mamba2, kernels):
+    assert_passes(check_speculative(kernels, mamba2, SPEC_SHAPE, device=DEVICE, accept="none", compare_baseline=False, steps=8, seed=6))
+
+
+def test_only_first_token_kept_with_baseline(mamba2, kernels):
+    assert_passes(check_speculative(kernels, mamba2, SPEC_SHAPE, device=DEVICE, accept="none", steps=8, seed=7))
+
+
+def test_mixed_decode_and_verify(mamba2, kernels):
+    report = check_speculative(kernels, mamba2, SPEC_SHAPE, device=DEVICE, mixed=True, steps=12, seed=8)
+    assert_passes(report, ("replay_verify", "replay_decode", "materialize"))
+
+
+def test_ring_wraps_around(mamba2):
+    """Capacity not a multiple of the window and many steps: entries wrap the ring and windows straddle its end."""
+    shape = replace(SMALL, capacity=7, window=3)
+    module = load_kernels(mamba2, shape)
+    assert_passes(check_speculative(module, mamba2, shape, device=DEVICE, tokens=2, steps=14, seed=9, compare_baseline=False))
+
+
+def test_bf16_activations(mamba2, kernels):
+    assert_passes(check_speculative(kernels, mamba2, SPEC_SHAPE, device=DEVICE, act_dtype=torch.bfloat16, use_gate=False, steps=6, seed=10))
+
+
+def test_verify_does_not_commit(kernels):
+    """Until commit, the window is not part of the state: materialize sees only committed entries."""
+    state = kernels.allocate(2, DEVICE, torch.float32)
+    slots = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
+    init = torch.randn((2, *kernels.STATE_SHAPE), device=DEVICE)
+    kernels.load(state, slots, init)
+    gen = torch.Generator().manual_seed(0)
+    h, g, p, n = SPEC_SHAPE.heads, SPEC_SHAPE.key_heads, SPEC_SHAPE.value_dim, SPEC_SHAPE.key_dim
+    window = {
+        "x": torch.randn(2, 4, h, p, generator=gen).to(DEVICE),
+        "B": torch.randn(2, 4, g, n, generator=gen).to(DEVICE),
+        "C": torch.randn(2, 4, g, n, generator=gen).to(DEVICE),
+        "dt": torch.randn(2, 4, h, generator=gen).to(DEVICE),
+    }
+    weights = {"A_log": torch.zeros(h, device=DEVICE), "dt_bias": torch.zeros(h, device=DEVICE), "D": torch.ones(h, device=DEVICE)}
+    kernels.verify(state, slots, **window, **weights)
+    assert torch.equal(kernels.materialize(state, slots), init)
+    kernels.commit(state, slots, torch.tensor([0, 2], dtype=torch.int32, device=DEVICE))
+    after = kernels.materialize(state, slots)
+    assert torch.equal(after[0], init[0]) and not torch.equal(after[1], init[1])
+    assert state.cursor[1, ..., 1].unique().tolist() == [2]
+
+
+class TestApiErrors:
+    def test_window_too_long(self, kernels):
+        state = kernels.allocate(1, DEVICE, torch.float32)
+        h, g, p, n = SPEC_SHAPE.heads, SPEC_SHAPE.key_heads, SPEC_SHAPE.value_dim, SPEC_SHAPE.key_dim
+        x = torch.randn(1, 5, h, p, device=DEVICE)
+        with pytest.raises(ValueError, match="a window holds 1..4 tokens"):
+            kernels.verify(state, torch.zeros(1, dtype=torch.int32, device=DEVICE), x=x, B=torch.randn(1, 5, g, n), C=torch.randn(1, 5, g, n),
+                           dt=torch.randn(1, 5, h), A_log=torch.zeros(h), dt_bias=torch.zeros(h), D=torch.zeros(h))
+
+    def test_accepted_dtype(self, kernels):
+        state = kernels.allocate(1, DEVICE, torch.float32)
+        with pytest.raises(TypeError, match="accepted must be an int32 tensor"):
+            kernels.commit(state, torch.zeros(1, dtype=torch.int32, device=DEVICE), torch.ones(1, dtype=torch.int64, device=DEVICE))
+
+    def test_accepted_range_validated_on_request(self, kernels):
+        state = kernels.allocate(1, DEVICE, torch.float32)
+        with pytest.raises(ValueError, match="accepted counts must be in 0..4"):
+            kernels.commit(state, torch.zeros(1, dtype=torch.int32, device=DEVICE), torch.full((1,), 5, dtype=torch.int32, device=DEVICE), validate=True)
+
+    def test_baseline_accepted_at_least_one(self, kernels):
+        _, current = kernels.allocate_snapshots(1, DEVICE)
+        with pytest.raises(ValueError, match="accepted counts must be in 1..4"):
+            kernels.baseline_commit(current, torch.zeros(1, dtype=torch.int32, device=DEVICE), torch.zeros(1, dtype=torch.int32, device=DEVICE), validate=True)
