@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", default="1,8,32,128,256,512", help="comma-separated batch sizes (default: 1,8,32,128,256,512)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation dtype (default: bf16)")
     p.add_argument("--sweep", action="store_true", help="also time a small grid of launch configs and keep the best")
+    p.add_argument("--T", dest="windows", default="2,4,6,8", help="speculative windows to time verify at (default: 2,4,6,8; '' to skip)")
     p.add_argument("--out", type=Path, default=None, help="write bench_<spec>.json here")
 
     p = sub.add_parser("list", help="specs, their shapes, and GPUs with tuning records", description="List the specs in SPECS_DIR with their shapes, and the GPUs that have tuning records in TUNE_DIR.")
@@ -186,6 +187,16 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _int_list(flag: str, text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ReplaygenError(f"{flag} must be comma-separated integers, got '{text}'") from None
+    if any(v < 1 for v in values):
+        raise ReplaygenError(f"{flag} values must be positive, got '{text}'")
+    return values
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
@@ -196,11 +207,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from replaygen.spec import load_spec
 
     spec = load_spec(args.spec)
-    try:
-        batches = [int(b) for b in args.batch.split(",")]
-    except ValueError:
-        raise ReplaygenError(f"--batch must be comma-separated integers, got '{args.batch}'") from None
-    run(spec, select_shapes(spec, args.shape), batches, getattr(torch, DTYPES[args.dtype]), args.out, args.sweep)
+    batches = _int_list("--batch", args.batch)
+    windows = _int_list("--T", args.windows)
+    run(spec, select_shapes(spec, args.shape), batches, getattr(torch, DTYPES[args.dtype]), args.out, args.sweep, windows)
     return 0
 
 

@@ -329,7 +329,7 @@ def check_speculative(
             accepted = torch.tensor(counts, dtype=torch.int32, device=device)
             module.commit(replay, slots, accepted, tokens)
             if compare_baseline:
-                module.baseline_commit(current, slots, accepted)
+                module.baseline_commit(current, slots, accepted, tokens)
             reference.commit(row_slots, counts)
         _compare_states(errors, module, replay, reference, slots, rows, [row_slots[r] for r in rows], step)
         if compare_baseline and rows:

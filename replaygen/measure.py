@@ -145,3 +145,86 @@ class DecodeWorkload:
 
         graph = capture(cycle)
         return time_callable(graph.replay, repeats=repeats, per_call=steps * self.layers)
+
+
+ACCEPT = ("all", "random")
+
+
+class VerifyWorkload:
+    """Layer states and window inputs for timing replay verify + commit against the snapshot baseline.
+
+    "all": every window token is accepted (the most flushes); "random": each step of the
+    captured cycle accepts a different random 1..T per sequence, so sequences diverge.
+    """
+
+    def __init__(
+        self,
+        module: ModuleType,
+        spec: Spec,
+        shape: TargetShape,
+        batch: int,
+        tokens: int,
+        act_dtype: torch.dtype,
+        device: torch.device,
+        seed: int = 0,
+        layers: int | None = None,
+        with_baseline: bool = True,
+    ):
+        self.module = module
+        self.batch = batch
+        self.tokens = tokens
+        if layers is None:
+            per_layer = batch * state_bytes(spec, shape)
+            layers = max(2, min(MAX_LAYERS, math.ceil(4 * l2_bytes(device) / per_layer)))
+        self.layers = layers
+        factory = InputFactory(spec, shape, device, act_dtype, seed)
+        self.weights = factory.weights()
+        self.inputs = [factory.window(batch, tokens, use_gate=False) for _ in range(layers)]
+        self.slots = torch.arange(batch, dtype=torch.int32, device=device)
+        self.replay = [module.allocate(batch, device, act_dtype) for _ in range(layers)]
+        for state in self.replay:
+            state.checkpoint.normal_(0, 0.5)
+            for buf in state.buffers():
+                buf.normal_(0, 0.5)
+            state.buf_log_decay.uniform_(-1.0, -0.01)
+        self.snapshots = []
+        if with_baseline:
+            for _ in range(layers):
+                snapshots, current = module.allocate_snapshots(batch, device, tokens)
+                snapshots.normal_(0, 0.5)
+                self.snapshots.append((snapshots, current))
+        self.gen = factory.gen
+
+    def accepted(self, accept: str, steps: int, low: int = 1) -> list[torch.Tensor]:
+        device = self.slots.device
+        if accept == "all":
+            return [torch.full((self.batch,), self.tokens, dtype=torch.int32, device=device)] * steps
+        return [torch.randint(low, self.tokens + 1, (self.batch,), generator=self.gen).to(device, torch.int32) for _ in range(steps)]
+
+    def time_replay(self, accept: str, steps: int, repeats: int = 20) -> Timing:
+        """Per-step time of replay verify + commit over `steps` consecutive windows."""
+        accepted = self.accepted(accept, steps)
+        for state in self.replay:
+            state.cursor.zero_()
+
+        def cycle() -> None:
+            for count in accepted:
+                for state, inputs in zip(self.replay, self.inputs):
+                    self.module.verify(state, self.slots, **inputs, **self.weights)
+                    self.module.commit(state, self.slots, count, self.tokens)
+
+        graph = capture(cycle)
+        return time_callable(graph.replay, repeats=repeats, per_call=steps * self.layers)
+
+    def time_baseline(self, accept: str, steps: int, repeats: int = 20) -> Timing:
+        """Per-step time of the per-draft-snapshot verify + rollback."""
+        accepted = self.accepted(accept, steps)
+
+        def cycle() -> None:
+            for count in accepted:
+                for (snapshots, current), inputs in zip(self.snapshots, self.inputs):
+                    self.module.baseline_verify(snapshots, current, self.slots, **inputs, **self.weights)
+                    self.module.baseline_commit(current, self.slots, count, self.tokens)
+
+        graph = capture(cycle)
+        return time_callable(graph.replay, repeats=repeats, per_call=steps * self.layers)

@@ -112,3 +112,56 @@ def speedup_bound(spec: Spec, shape: TargetShape, act: DType, flush_at: int | No
 def slot_memory(spec: Spec, shape: TargetShape, act: DType) -> SlotMemory:
     s = state_bytes(spec, shape)
     return SlotMemory(baseline=s, replay_checkpoint=s, replay_buffers=shape.capacity * entry_bytes(spec, shape, act), replay_cursor=CURSOR_BYTES + 4)
+
+
+def verify_flush_period(shape: TargetShape, tokens: int, accepted: int) -> tuple[int, ...]:
+    """Buffered entries h at the start of each verify step over one steady-state cycle, when every
+    step accepts `accepted` tokens (flush rule: fold the h committed entries when h + 2T > L)."""
+    h, seen, history = 0, {}, []
+    while h not in seen:
+        seen[h] = len(history)
+        history.append(h)
+        if h + 2 * tokens > shape.capacity:
+            h = 0
+        h += accepted
+    return tuple(history[seen[h]:])
+
+
+def replay_verify_bytes(spec: Spec, shape: TargetShape, act: DType, tokens: int, accepted: int | None = None) -> StepBytes:
+    """Average bytes per verify (+ commit) step over a steady-state cycle; `accepted` defaults to all T tokens."""
+    accepted = tokens if accepted is None else accepted
+    cycle = verify_flush_period(shape, tokens, accepted)
+    s = state_bytes(spec, shape)
+    entry = entry_bytes(spec, shape, act)
+    flushes = sum(h + 2 * tokens > shape.capacity for h in cycle)
+    return StepBytes(
+        state_read=s,
+        state_write=s * flushes / len(cycle),
+        buffer_read=entry * sum(cycle) / len(cycle) + 2 * CURSOR_BYTES,
+        buffer_write=entry * tokens + 2 * CURSOR_BYTES,
+        inputs=tokens * input_bytes(spec, shape, act),
+        outputs=tokens * output_bytes(shape, act),
+    )
+
+
+def baseline_verify_bytes(spec: Spec, shape: TargetShape, act: DType, tokens: int) -> StepBytes:
+    """Per-draft-snapshot verify: read the committed snapshot, write one snapshot per token."""
+    s = state_bytes(spec, shape)
+    return StepBytes(s, tokens * s, 0.0, 0.0, tokens * input_bytes(spec, shape, act), tokens * output_bytes(shape, act))
+
+
+def best_verify_capacity(spec: Spec, shape: TargetShape, act: DType, tokens: int, max_capacity: int = 64, slack: float = 0.02) -> int:
+    """Buffer capacity for windows of T tokens: the smallest power of two L >= 2T whose bytes per verify step
+    (every token accepted) are within `slack` of the fewest. Powers of two because the kernels pad the ring
+    tile to one; the smallest because registers and arithmetic grow with L while the bytes barely move."""
+    from dataclasses import replace
+
+    candidates = [1 << b for b in range(1, max_capacity.bit_length()) if 2 * tokens <= 1 << b <= max_capacity]
+    cost = {L: replay_verify_bytes(spec, replace(shape, capacity=L), act, tokens).total for L in candidates}
+    fewest = min(cost.values())
+    return min(L for L in candidates if cost[L] <= (1 + slack) * fewest)
+
+
+def spec_slot_memory(spec: Spec, shape: TargetShape, act: DType, tokens: int) -> tuple[int, int]:
+    """Bytes per slot for speculative decoding: (one snapshot per window token, replay checkpoint + buffers + cursors)."""
+    return tokens * state_bytes(spec, shape), slot_memory(spec, shape, act).replay

@@ -20,3 +20,24 @@ def test_workload_staggers_phases_and_steps(mamba2):
     assert state.cursor[..., 1][:, 0, 0].tolist() == [1, 2, 0]
     out = module.baseline_decode(work.baseline[0], work.slots, **inputs, **work.weights)
     assert torch.isfinite(out).all()
+
+
+def test_verify_workload_steps(mamba2):
+    from dataclasses import replace
+
+    from replaygen.measure import VerifyWorkload
+
+    shape = replace(SMALL, capacity=8, window=4)
+    module = load_kernels(mamba2, shape)
+    work = VerifyWorkload(module, mamba2, shape, batch=2, tokens=3, act_dtype=torch.float32, device=torch.device(DEVICE), layers=1)
+    for accept in ("all", "random"):
+        (count,) = work.accepted(accept, 1)
+        assert count.dtype == torch.int32 and ((count >= 1) & (count <= 3)).all()
+        state, inputs = work.replay[0], work.inputs[0]
+        out = module.verify(state, work.slots, **inputs, **work.weights)
+        module.commit(state, work.slots, count, 3)
+        snapshots, current = work.snapshots[0]
+        base = module.baseline_verify(snapshots, current, work.slots, **inputs, **work.weights)
+        module.baseline_commit(current, work.slots, count, 3)
+        assert out.shape == base.shape == (2, 3, shape.heads, shape.value_dim)
+        assert torch.isfinite(out).all() and torch.isfinite(base).all()
