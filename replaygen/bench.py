@@ -289,8 +289,9 @@ def run(
     out_dir: Path | None,
     sweep: bool,
     windows: list[int],
+    device: torch.device | None = None,
 ) -> dict[str, object]:
-    device = torch.device("cuda")
+    device = device or torch.device("cuda")
     act = TORCH_TO_DTYPE[act_dtype]
     copy_bw = copy_bandwidth(device)
     print(f"measured copy bandwidth: {copy_bw / 1e12:.3f} TB/s (read + write)")
