@@ -148,12 +148,12 @@ def cmd_show(args: argparse.Namespace) -> int:
     print(f"  update {spec.update.kind.value}, decay per {spec.decay.granularity.value}, state {spec.state.dtype.value} {spec.state.layout.value}, activations {act.value}")
     for shape in select_shapes(spec, args.shape):
         print(f"\nshape {shape.name}: {_describe(shape)}")
-        print("  replay buffer per slot (ring of L entries):")
+        print(f"  replay buffer per slot (ring of L + T = {shape.capacity + shape.window} entries, at most L committed):")
         for buf in _buffers(spec, shape):
             rows = "key_heads" if buf.per_key_head else "heads"
             n_rows = shape.key_heads if buf.per_key_head else shape.heads
             width = f", {buf.width}" if buf.width > 1 else ""
-            print(f"    {buf.attr:<14} [{rows}={n_rows}, L={shape.capacity}{width}] {(buf.dtype or act).value:<9} ({buf.field.value})")
+            print(f"    {buf.attr:<14} [{rows}={n_rows}, L+T={shape.capacity + shape.window}{width}] {(buf.dtype or act).value:<9} ({buf.field.value})")
         print(f"    one entry: {entry_bytes(spec, shape, act):,} bytes")
         base = baseline_decode_bytes(spec, shape, act)
         rep = replay_decode_bytes(spec, shape, act)
@@ -162,7 +162,7 @@ def cmd_show(args: argparse.Namespace) -> int:
             print(f"    {field:<28} {getattr(base, field):>12,.0f} {getattr(rep, field):>12,.0f}")
         print(f"  speedup bound (equal bandwidth efficiency): {speedup_bound(spec, shape, act):.3f}x")
         mem = slot_memory(spec, shape, act)
-        print(f"  memory per slot: baseline {mem.baseline:,} B; replay {mem.replay:,} B (checkpoint {mem.replay_checkpoint:,} + buffers {mem.replay_buffers:,} + cursor {mem.replay_cursor})")
+        print(f"  memory per slot: baseline {mem.baseline:,} B; replay {mem.replay:,} B (checkpoint {mem.replay_checkpoint:,} + buffers {mem.replay_buffers:,} + cursors {mem.replay_cursor:,})")
     return 0
 
 

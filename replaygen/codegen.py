@@ -24,15 +24,17 @@ TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
 
 
 def template_dir() -> Path:
-    if not TEMPLATE_DIR.is_dir():
-        raise FileNotFoundError(f"replaygen templates not found at {TEMPLATE_DIR} (install replaygen from a checkout: pip install -e .)")
-    return TEMPLATE_DIR
+    """The templates in use: $REPLAYGEN_TEMPLATES if set (tests render variants), else the checkout's."""
+    path = Path(os.environ.get("REPLAYGEN_TEMPLATES") or TEMPLATE_DIR)
+    if not path.is_dir():
+        raise FileNotFoundError(f"replaygen templates not found at {path} (install replaygen from a checkout: pip install -e .)")
+    return path
 
 
-@lru_cache(maxsize=1)
-def _environment() -> jinja2.Environment:
+@lru_cache(maxsize=4)
+def _environment(root: Path) -> jinja2.Environment:
     return jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(template_dir())),
+        loader=jinja2.FileSystemLoader(str(root)),
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
         lstrip_blocks=True,
@@ -94,7 +96,7 @@ def render_module(plan: ModulePlan) -> str:
     value_like = {spec.inputs.value, spec.inputs.key, spec.inputs.query}
     if spec.readout.gate:
         value_like.add(spec.readout.gate.input)
-    template = _environment().get_template("module.py.j2")
+    template = _environment(template_dir()).get_template("module.py.j2")
     return template.render(
         plan=plan,
         header="\n".join(header_lines),

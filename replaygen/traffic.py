@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from replaygen.configs import CURSOR_GRAIN
 from replaygen.spec.model import CacheField, DecayGranularity, DType, Spec, TargetShape
 
 CURSOR_BYTES = 8  # int32 start + count
@@ -111,7 +112,9 @@ def speedup_bound(spec: Spec, shape: TargetShape, act: DType, flush_at: int | No
 
 def slot_memory(spec: Spec, shape: TargetShape, act: DType) -> SlotMemory:
     s = state_bytes(spec, shape)
-    return SlotMemory(baseline=s, replay_checkpoint=s, replay_buffers=shape.capacity * entry_bytes(spec, shape, act), replay_cursor=CURSOR_BYTES + 4)
+    cursors = shape.heads * -(-shape.value_dim // CURSOR_GRAIN) * CURSOR_BYTES
+    ring = shape.capacity + shape.window  # L + T positions (see the kernels' RING)
+    return SlotMemory(baseline=s, replay_checkpoint=s, replay_buffers=ring * entry_bytes(spec, shape, act), replay_cursor=cursors)
 
 
 def verify_flush_period(shape: TargetShape, tokens: int, accepted: int) -> tuple[int, ...]:

@@ -103,3 +103,31 @@ class TestApiErrors:
         _, current = kernels.allocate_snapshots(1, DEVICE)
         with pytest.raises(ValueError, match="accepted counts must be in 1..4"):
             kernels.baseline_commit(current, torch.zeros(1, dtype=torch.int32, device=DEVICE), torch.zeros(1, dtype=torch.int32, device=DEVICE), validate=True)
+
+
+def test_flushing_verify_whose_window_wraps_onto_folded_entries(mamba2):
+    """h + T > L at a flushing verify: the window's keys and decays must not overwrite entries being folded."""
+    from replaygen.harness import InputFactory, relative_error
+    from replaygen.reference import Reference
+
+    shape = replace(SMALL, capacity=8, window=2)
+    module = load_kernels(mamba2, shape)
+    factory = InputFactory(mamba2, shape, DEVICE, torch.float32, seed=12)
+    weights = factory.weights()
+    slots = torch.tensor([1, 0], dtype=torch.int32, device=DEVICE)
+    state = module.allocate(2, DEVICE, torch.float32)
+    reference = Reference(mamba2, shape, 2)
+    init = factory.states(2, tuple(module.STATE_SHAPE))
+    module.load(state, slots, init)
+    reference.load([1, 0], init.cpu())
+    for _ in range(shape.capacity - 1):  # h = L - 1 committed entries, no flush yet
+        inputs = factory.step(2)
+        module.decode(state, slots, **inputs, **weights)
+        reference.decode([1, 0], inputs, weights)
+    assert state.cursor[..., 1].unique().tolist() == [shape.capacity - 1]
+    window = factory.window(2, 2)
+    out = module.verify(state, slots, **window, **weights)
+    assert relative_error(out, reference.verify([1, 0], window, weights)) < 1e-5
+    module.commit(state, slots, torch.tensor([2, 2], dtype=torch.int32, device=DEVICE))
+    reference.commit([1, 0], [2, 2])
+    assert relative_error(module.materialize(state, slots), reference.states[[1, 0]]) < 1e-5

@@ -47,4 +47,5 @@ def test_nemotron_h_bound_matches_the_write_up(mamba2):
 def test_slot_memory(mamba2):
     m = slot_memory(mamba2, SMALL, DType.BFLOAT16)
     assert m.baseline == STATE
-    assert m.replay == STATE + 4 * ENTRY + 12
+    # ring of L + T = 5 entries; one cursor copy (8 bytes) per head and 8 value rows
+    assert m.replay == STATE + 5 * ENTRY + 4 * 1 * 8

@@ -46,7 +46,7 @@ MAX_CAPACITY = 64
 MAX_KEY_DIM = 256
 MAX_VALUE_DIM = 512
 MAX_WINDOW = 16
-SHAPE_NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
+SHAPE_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]*$")
 # Names the generated API uses itself; spec names must not shadow them.
 RESERVED_NAMES = frozenset(
     {"state", "slots", "out", "accepted", "states", "num_slots", "device", "activation_dtype", "route", "flush_at", "config", "torch", "triton", "tl"}
@@ -377,7 +377,7 @@ class _SpecBuilder:
         shapes = []
         for shape_name, shape_node in node.value.items():
             if not SHAPE_NAME.match(shape_name):
-                raise node.error(f"shape name '{shape_name}' must be lowercase letters, digits and '-'", shape_name)
+                raise node.error(f"shape name '{shape_name}' must be lowercase letters, digits, '-' and '.'", shape_name)
             m = _Map(shape_node, required={"heads", "value_dim", "key_dim"}, optional={"key_heads", "capacity", "window"})
             heads = _int(m["heads"], 1, 4096)
             key_heads = _int(m["key_heads"], 1, 4096) if m.get("key_heads") is not None else heads

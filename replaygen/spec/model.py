@@ -170,7 +170,7 @@ class TargetShape:
     @property
     def ident(self) -> str:
         """The shape name as a python identifier fragment."""
-        return self.name.replace("-", "_")
+        return self.name.replace("-", "_").replace(".", "_")
 
 
 @dataclass(frozen=True)
