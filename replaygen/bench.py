@@ -98,7 +98,7 @@ def candidate_configs(kind: KernelKind, shape: TargetShape, sweep: bool) -> list
     """The configs to time: the defaults' open-ended bucket, or a small hand-picked grid."""
     if not sweep:
         return [default_configs(kind, shape)[-1].config]
-    grid = [(8, 2), (8, 4), (16, 4), (16, 8), (32, 4), (32, 8)]
+    grid = [(8, 2), (16, 4), (32, 8)]
     return [KernelConfig(block_v=bv, num_warps=w) for bv, w in grid if bv <= max(8, shape.value_dim)]
 
 
@@ -199,7 +199,7 @@ def bench_verify(
     rows: list[VerifyRow] = []
     for tokens in windows:
         vshape = verify_shape(shape, spec, act, tokens)
-        configs = [KernelConfig(block_v=bv, num_warps=w) for bv, w in ((8, 4), (16, 4), (16, 8))] if sweep else [default_configs(KernelKind.REPLAY_VERIFY, vshape)[-1].config]
+        configs = [KernelConfig(block_v=bv, num_warps=w) for bv, w in ((8, 4), (16, 8))] if sweep else [default_configs(KernelKind.REPLAY_VERIFY, vshape)[-1].config]
         modules = {}
         for config in configs:
             table = (BucketConfig(None, config),)

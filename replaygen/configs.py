@@ -92,6 +92,8 @@ def default_configs(kind: KernelKind, shape: TargetShape) -> tuple[BucketConfig,
             BucketConfig(1, KernelConfig(block_v=block_v, num_warps=4, flush_at=1)),
             BucketConfig(None, KernelConfig(block_v=block_v, num_warps=4, flush_at=0)),
         )
+    if kind is KernelKind.REPLAY_VERIFY:
+        return (BucketConfig(None, KernelConfig(block_v=block_v, num_warps=8)),)
     if kind is KernelKind.COMMIT:
         return (BucketConfig(None, KernelConfig(block_v=max(CURSOR_GRAIN, _next_pow2(shape.value_dim)), num_warps=1)),)
     return (BucketConfig(None, KernelConfig(block_v=block_v, num_warps=4)),)

@@ -1,0 +1,126 @@
+"""Gated DeltaNet through the same machinery: delta rule, l2norm/scale, gates from pre-activations or direct."""
+
+import shutil
+from dataclasses import replace
+
+import pytest
+import torch
+
+from replaygen.harness import check_decode, check_speculative
+from replaygen.runtime import load_kernels
+from replaygen.spec import load_spec, load_spec_text
+from replaygen.spec.model import CacheField, UpdateKind
+from replaygen.errors import SpecError
+
+from conftest import DEVICE, ODD, ROOT, SMALL
+
+GDN_TEXT = (ROOT / "specs" / "gdn.yaml").read_text()
+SHAPE = replace(SMALL, capacity=8, window=2)
+
+
+def gdn(layout="value_key"):
+    return load_spec_text(GDN_TEXT.replace("layout: value_key", f"layout: {layout}"), f"gdn_{layout}.yaml")
+
+
+@pytest.fixture(scope="module", params=["value_key", "key_value"])
+def layout_kernels(request):
+    spec = gdn(request.param)
+    return spec, load_kernels(spec, SHAPE)
+
+
+def assert_passes(report):
+    assert report.ok, "\n".join(report.lines())
+
+
+def test_shipped_spec():
+    spec = load_spec(ROOT / "specs" / "gdn.yaml")
+    assert spec.update.kind is UpdateKind.DELTA
+    assert spec.cached(CacheField.CORRECTED_VALUE) is not None and spec.cached(CacheField.VALUE) is None
+    main = spec.shape("qwen3.5")
+    assert (main.key_heads, main.heads, main.key_dim, main.value_dim) == (16, 32, 128, 128)
+    assert [s.heads for s in spec.shapes[:4]] == [32, 16, 8, 4]
+
+
+@pytest.mark.parametrize("route", ["output_only", "state_and_output"])
+def test_decode_both_routes_both_layouts(layout_kernels, route):
+    spec, module = layout_kernels
+    assert_passes(check_decode(module, spec, SHAPE, device=DEVICE, route=route, cycles=3, seed=1))
+
+
+def test_direct_gates(layout_kernels):
+    spec, module = layout_kernels
+    assert_passes(check_decode(module, spec, SHAPE, device=DEVICE, use_direct=True, cycles=2, seed=2))
+
+
+def test_verify_random_acceptance(layout_kernels):
+    spec, module = layout_kernels
+    assert_passes(check_speculative(module, spec, SHAPE, device=DEVICE, steps=10, seed=3))
+
+
+def test_verify_all_accepted_and_mixed():
+    spec = gdn()
+    module = load_kernels(spec, SHAPE)
+    assert_passes(check_speculative(module, spec, SHAPE, device=DEVICE, accept="all", steps=8, seed=4))
+    assert_passes(check_speculative(module, spec, SHAPE, device=DEVICE, mixed=True, steps=20, seed=3))
+
+
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_verify_windows(tokens):
+    spec = gdn()
+    shape = replace(SMALL, capacity=8, window=4)
+    module = load_kernels(spec, shape)
+    assert_passes(check_speculative(module, spec, shape, device=DEVICE, tokens=tokens, steps=8, seed=5 + tokens))
+
+
+def test_odd_sizes_bf16():
+    spec = gdn()
+    module = load_kernels(spec, ODD)
+    assert_passes(check_decode(module, spec, ODD, device=DEVICE, act_dtype=torch.bfloat16, batch=4, seed=6))
+    assert_passes(check_speculative(module, spec, ODD, device=DEVICE, act_dtype=torch.bfloat16, batch=4, steps=6, seed=7))
+
+
+DECAY_FIRST = """    b_s = {{ decayed(plan, 'b_s', lg) }}
+{% if plan.delta_rule %}
+    {{ u }} = {{ w }} * ({{ v }} - tl.sum(b_s * {{ k }}[None, :], 1))"""
+CORRECTION_FIRST = """{% if plan.delta_rule %}
+    {{ u }} = {{ w }} * ({{ v }} - tl.sum(b_s * {{ k }}[None, :], 1))
+    b_s = {{ decayed(plan, 'b_s', lg) }}"""
+
+
+def test_catches_the_correction_without_the_current_decay(tmp_path, monkeypatch):
+    """The classic bug: correcting against S_{t-1} instead of the decayed e^{g_t} S_{t-1}. Kernels rendered
+    with that bug must fail the reference checks (the correct ones pass above)."""
+    mutated = tmp_path / "templates"
+    shutil.copytree(ROOT / "templates", mutated)
+    macros = (mutated / "macros.j2").read_text()
+    assert DECAY_FIRST in macros
+    (mutated / "macros.j2").write_text(macros.replace(DECAY_FIRST, CORRECTION_FIRST))
+    monkeypatch.setenv("REPLAYGEN_TEMPLATES", str(mutated))
+    spec = gdn()
+    module = load_kernels(spec, SHAPE)
+    report = check_decode(module, spec, SHAPE, device=DEVICE, route="state_and_output", cycles=1, seed=8)
+    assert not report.ok
+    assert report.worst["baseline_decode"][0] > 1e-3 and report.worst["replay_decode"][0] > 1e-3
+
+
+def test_delta_rule_needs_the_corrected_value_cached():
+    text = GDN_TEXT.replace("    corrected_value: activation", "    value: activation")
+    with pytest.raises(SpecError, match="not replayed by the delta update"):
+        load_spec_text(text, "bad.yaml")
+
+
+def test_weight_input_required_for_sigmoid():
+    text = GDN_TEXT.replace("  weight_input: b          # [batch, HV] pre-activation of beta\n", "")
+    with pytest.raises(SpecError, match="needs 'weight_input'"):
+        load_spec_text(text, "bad.yaml")
+
+
+def test_exactly_one_of_preactivation_and_direct_gate():
+    spec = gdn()
+    module = load_kernels(spec, SHAPE)
+    state = module.allocate(1, DEVICE, torch.float32)
+    h, g, v, k = SHAPE.heads, SHAPE.key_heads, SHAPE.value_dim, SHAPE.key_dim
+    args = dict(v=torch.randn(1, h, v), k=torch.randn(1, g, k), q=torch.randn(1, g, k), b=torch.randn(1, h),
+                A_log=torch.zeros(h), dt_bias=torch.zeros(h))
+    with pytest.raises(ValueError, match="pass exactly one of a .pre-activation. and g"):
+        module.decode(state, torch.zeros(1, dtype=torch.int32), **args, a=torch.randn(1, h), g=-torch.rand(1, h))
