@@ -1,0 +1,198 @@
+"""Search spaces: the launch configs of one kernel kind worth timing at one batch size.
+
+Derived from the shape; every parameter is a knob the kernel templates read
+(nothing else is invented):
+
+    block_v     value rows per program: powers of two from CURSOR_GRAIN to next_pow2(value_dim)
+    num_warps   1, 2, 4, 8
+    num_stages  1, 2, 3 where the kernel has a runtime loop Triton can pipeline (replay kernels:
+                the replay over buffered entries); 1 elsewhere (straight-line code ignores it)
+    route       replay_decode only: output_only, state_and_output
+    flush_at    replay_decode only: 1..L
+
+Pruning rules, applied to a point before anything is rendered or compiled:
+
+    INVALID       `configs.validate_config` rejects it
+    SPILLS        the fp32 state tile [block_v, next_pow2(key_dim)] needs more than
+                  MAX_TILE_VALUES_PER_THREAD values per thread (32 * num_warps threads): the
+                  tile, its update and the loads cannot stay in 255 registers, so it spills
+    IDLE_THREADS  the state tile has fewer elements than the program has threads
+    UNUSED_ROUTE  flush_at=1 flushes on every step, so the route of non-flush steps never runs:
+                  only output_only is kept
+
+The kind's documented default (`configs.default_configs`, its bucket for this batch) is the
+reference point of the summary: it is always a candidate, whatever the rules say.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import itertools
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, replace
+
+from replaygen.configs import CURSOR_GRAIN, KernelConfig, KernelKind, Route, default_configs, validate_config
+from replaygen.errors import ReplaygenError, UnsupportedShapeError
+from replaygen.spec.model import TargetShape
+
+# The kernels `replaygen tune` times; materialize, load and commit keep their defaults.
+TUNABLE_KINDS: tuple[KernelKind, ...] = (
+    KernelKind.BASELINE_DECODE,
+    KernelKind.REPLAY_DECODE,
+    KernelKind.REPLAY_VERIFY,
+    KernelKind.BASELINE_VERIFY,
+)
+# Kernels with a data-dependent loop (the replay over buffered entries), where num_stages matters.
+PIPELINED_KINDS = frozenset({KernelKind.REPLAY_DECODE, KernelKind.REPLAY_VERIFY})
+NUM_WARPS: tuple[int, ...] = (1, 2, 4, 8)
+NUM_STAGES: tuple[int, ...] = (1, 2, 3)
+MAX_TILE_VALUES_PER_THREAD = 128
+
+
+class Scale(enum.Enum):
+    """How a sampler should treat a parameter's ordered choices."""
+
+    LOG2 = "log2"  # consecutive powers of two
+    LINEAR = "linear"  # consecutive integers
+    CATEGORICAL = "categorical"  # unordered
+
+
+class PruneRule(enum.Enum):
+    INVALID = "rejected by configs.validate_config"
+    SPILLS = f"state tile needs more than {MAX_TILE_VALUES_PER_THREAD} fp32 values per thread"
+    IDLE_THREADS = "state tile has fewer elements than the program has threads"
+    UNUSED_ROUTE = "flush_at=1 never runs the route of non-flush steps"
+
+
+@dataclass(frozen=True)
+class Parameter:
+    name: str  # a KernelConfig field
+    choices: tuple[int, ...] | tuple[str, ...]  # route values are Route.value strings
+    scale: Scale
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchSpace:
+    """The configs of `kind` for `shape` at one batch size: the product of the parameters' choices."""
+
+    kind: KernelKind
+    shape: TargetShape
+    parameters: tuple[Parameter, ...]  # every KernelConfig field; fixed ones have one choice
+    default: KernelConfig  # the documented default for this batch, flush_at made explicit
+
+    def parameter(self, name: str) -> Parameter:
+        for parameter in self.parameters:
+            if parameter.name == name:
+                return parameter
+        raise KeyError(name)
+
+    @property
+    def free(self) -> tuple[Parameter, ...]:
+        """The parameters a search chooses (more than one choice)."""
+        return tuple(p for p in self.parameters if len(p.choices) > 1)
+
+    @property
+    def size(self) -> int:
+        """Points in the space before pruning."""
+        total = 1
+        for parameter in self.parameters:
+            total *= len(parameter.choices)
+        return total
+
+    def config(self, values: Mapping[str, int | str]) -> KernelConfig:
+        """The config at `values` (free parameters by name; fixed ones take their only choice)."""
+        chosen = {p.name: values[p.name] if p.name in values else p.choices[0] for p in self.parameters}
+        for parameter in self.parameters:
+            if chosen[parameter.name] not in parameter.choices:
+                raise ValueError(f"{self.kind.value}: {parameter.name}={chosen[parameter.name]!r} is not one of {parameter.choices}")
+        chosen["route"] = Route(chosen["route"])
+        return KernelConfig(**chosen)
+
+    def values(self, config: KernelConfig) -> dict[str, int | str]:
+        """The free parameters' values of `config` (inverse of `config`)."""
+        raw = config.as_dict()
+        return {p.name: raw[p.name] for p in self.free}
+
+    def contains(self, config: KernelConfig) -> bool:
+        raw = config.as_dict()
+        return all(raw[p.name] in p.choices for p in self.parameters)
+
+    def points(self) -> Iterator[KernelConfig]:
+        """Every point, pruned or not, in a fixed order."""
+        names = [p.name for p in self.parameters]
+        for combo in itertools.product(*(p.choices for p in self.parameters)):
+            yield self.config(dict(zip(names, combo)))
+
+    def prune_reason(self, config: KernelConfig) -> PruneRule | None:
+        """Why `config` is not worth compiling, or None (the default is never pruned)."""
+        if config == self.default:
+            return None
+        try:
+            validate_config(self.kind, self.shape, config)
+        except UnsupportedShapeError:
+            return PruneRule.INVALID
+        tile = config.block_v * _next_pow2(self.shape.key_dim)
+        threads = 32 * config.num_warps
+        if tile > MAX_TILE_VALUES_PER_THREAD * threads:
+            return PruneRule.SPILLS
+        if tile < threads:
+            return PruneRule.IDLE_THREADS
+        if self.kind is KernelKind.REPLAY_DECODE and config.flush_at == 1 and config.route is Route.STATE_AND_OUTPUT:
+            return PruneRule.UNUSED_ROUTE
+        return None
+
+    def candidates(self) -> tuple[KernelConfig, ...]:
+        """The default (when in the space) first, then every unpruned point."""
+        first = (self.default,) if self.contains(self.default) else ()
+        return first + tuple(c for c in self.points() if c != self.default and self.prune_reason(c) is None)
+
+    def key(self) -> str:
+        """sha256 of the space (kind, shape, parameters, default): names its Optuna studies."""
+        payload = {
+            "kind": self.kind.value,
+            "shape": asdict(self.shape),
+            "parameters": [[p.name, list(p.choices), p.scale.value] for p in self.parameters],
+            "default": self.default.as_dict(),
+        }
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+    def fix(self, name: str, value: str) -> SearchSpace:
+        """This space with parameter `name` restricted to `value` (given as text, e.g. from --fix)."""
+        try:
+            parameter = self.parameter(name)
+        except KeyError:
+            raise ReplaygenError(f"--fix {name}={value}: no parameter '{name}' (one of {', '.join(p.name for p in self.parameters)})") from None
+        matches = [c for c in parameter.choices if str(c) == value]
+        if not matches:
+            raise ReplaygenError(f"--fix {name}={value}: {self.kind.value} takes {name} in {', '.join(map(str, parameter.choices))}")
+        fixed = replace(parameter, choices=(matches[0],))
+        return replace(self, parameters=tuple(fixed if p.name == name else p for p in self.parameters))
+
+
+def derive_space(kind: KernelKind, shape: TargetShape, batch: int) -> SearchSpace:
+    """The search space of `kind` for `shape` at batch size `batch`."""
+    top = max(CURSOR_GRAIN, _next_pow2(shape.value_dim))
+    block_v = tuple(1 << e for e in range(CURSOR_GRAIN.bit_length() - 1, top.bit_length()))
+    replay = kind is KernelKind.REPLAY_DECODE
+    parameters = (
+        Parameter("block_v", block_v, Scale.LOG2),
+        Parameter("num_warps", NUM_WARPS, Scale.LOG2),
+        Parameter("num_stages", NUM_STAGES if kind in PIPELINED_KINDS else (1,), Scale.LINEAR),
+        Parameter("route", tuple(r.value for r in Route) if replay else (Route.OUTPUT_ONLY.value,), Scale.CATEGORICAL),
+        Parameter("flush_at", tuple(range(1, shape.capacity + 1)) if replay else (0,), Scale.LINEAR),
+    )
+    return SearchSpace(kind=kind, shape=shape, parameters=parameters, default=default_config(kind, shape, batch))
+
+
+def default_config(kind: KernelKind, shape: TargetShape, batch: int) -> KernelConfig:
+    """The documented default for `batch` (its bucket of `default_configs`), flush_at 0 written as L."""
+    config = next(b.config for b in default_configs(kind, shape) if b.max_batch is None or batch <= b.max_batch)
+    if kind is KernelKind.REPLAY_DECODE and config.flush_at == 0:
+        config = replace(config, flush_at=shape.capacity)
+    return config
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
