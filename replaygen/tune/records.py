@@ -1,0 +1,303 @@
+"""Tuning records: what a kernel is (its key), where it ran (its environment), how fast (its trials).
+
+One JSON file per spec and shape and GPU: `tune/<gpu>/<spec>_<shape>.json`, holding every
+measured trial (winners and losers, failures as such) with raw timings. Each trial carries
+
+- its kernel key: the sha256 of the rendered candidate module (the tuned kernel with this
+  config, every other kernel at its default, GPU name left out) plus, to say what changed when
+  it stops matching, the template, spec and shape hashes it was rendered from;
+- its environment: GPU name (the records folder, e.g. h100), device name and compute
+  capability, the Triton version string (`triton.__version__`; not a hash of Triton's files)
+  and the replaygen version.
+
+Writes are atomic (temp file + rename, under a lock on the folder) and merge with what the
+file holds, so an interrupted tune loses nothing written and another file is never touched.
+A file that does not parse is reported by name and never overwritten.
+"""
+
+from __future__ import annotations
+
+import enum
+import fcntl
+import hashlib
+import json
+import math
+import os
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from replaygen import __version__
+from replaygen.codegen import render_module, source_hash, template_hash, write_if_changed
+from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route, default_configs
+from replaygen.errors import TuningRecordError
+from replaygen.plan import plan_module
+from replaygen.spec.model import Spec, TargetShape
+
+RECORD_FORMAT = 1
+# Candidates are rendered for no particular GPU, so the GPU name stays out of the kernel key.
+CANDIDATE_GPU = "any"
+CANDIDATE_SOURCE = "tune candidate"
+
+
+class TrialStatus(enum.Enum):
+    OK = "ok"
+    WRONG = "wrong"  # ran, but disagrees with the reference
+    FAILED = "failed"  # raised (compile error, launch error)
+    OUT_OF_RESOURCES = "out_of_resources"  # shared memory, registers or GPU memory
+
+
+def canonical_sha256(payload: object) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Environment:
+    """Where trials ran."""
+
+    gpu: str  # the records folder name, e.g. "h100"
+    device_name: str  # e.g. "NVIDIA H100 80GB HBM3"
+    compute_capability: str  # e.g. "9.0"
+    triton: str  # triton.__version__
+    replaygen: str  # replaygen.__version__
+
+    def fingerprint(self) -> str:
+        return canonical_sha256(asdict(self))
+
+
+def current_environment(gpu: str, device: object) -> Environment:
+    """The environment of CUDA device `device`, recorded under the GPU name `gpu`."""
+    import torch
+    import triton
+
+    props = torch.cuda.get_device_properties(device)
+    return Environment(gpu=gpu, device_name=props.name, compute_capability=f"{props.major}.{props.minor}", triton=triton.__version__, replaygen=__version__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class KernelKey:
+    """What was timed: one kernel kind in one rendered module."""
+
+    kind: KernelKind
+    source_sha256: str  # the rendered candidate module
+    template_sha256: str
+    spec_sha256: str
+    shape_sha256: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """One config of one kernel kind, rendered: the module a trial imports, checks and times."""
+
+    key: KernelKey
+    config: KernelConfig
+    source: str
+
+    @property
+    def kind(self) -> KernelKind:
+        return self.key.kind
+
+
+def shape_sha256(shape: TargetShape) -> str:
+    return canonical_sha256(asdict(shape))
+
+
+def render_candidate(spec: Spec, shape: TargetShape, kind: KernelKind, config: KernelConfig) -> Candidate:
+    """The module that runs `config` for `kind` (every bucket) and the defaults for every other kernel."""
+    configs = {k: default_configs(k, shape) for k in KernelKind}
+    configs[kind] = (BucketConfig(None, config),)
+    source = render_module(plan_module(spec, shape, CANDIDATE_GPU, configs, CANDIDATE_SOURCE))
+    key = KernelKey(
+        kind=kind,
+        source_sha256=source_hash(source),
+        template_sha256=template_hash(),
+        spec_sha256=spec.source_sha256,
+        shape_sha256=shape_sha256(shape),
+    )
+    return Candidate(key=key, config=config, source=source)
+
+
+@dataclass(frozen=True)
+class TrialTiming:
+    """Per-step time of one trial (see measure.Timing)."""
+
+    median_ms: float
+    p20_ms: float
+    p80_ms: float
+    samples: int
+
+    @classmethod
+    def of(cls, timing: object) -> TrialTiming:
+        """From a measure.Timing (or anything with its fields)."""
+        return cls(float(timing.median_ms), float(timing.p20_ms), float(timing.p80_ms), int(timing.samples))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrialRecord:
+    """One measured config at one batch size."""
+
+    id: str  # unique (uuid4 hex); merging files keeps one trial per id
+    study: str  # the Optuna study name, or "exhaustive"
+    batch: int
+    config: KernelConfig
+    key: KernelKey
+    environment: Environment
+    activation_dtype: str  # e.g. "bfloat16"
+    status: TrialStatus
+    timing: TrialTiming | None  # None unless status is OK
+    error: str = ""  # why it is not OK
+
+    @property
+    def value(self) -> float:
+        """The objective: median ms per step, inf unless OK (so it never wins)."""
+        return self.timing.median_ms if self.status is TrialStatus.OK and self.timing else math.inf
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "id": self.id,
+            "study": self.study,
+            "batch": self.batch,
+            "config": self.config.as_dict(),
+            "key": {**asdict(self.key), "kind": self.key.kind.value},
+            "environment": asdict(self.environment),
+            "activation_dtype": self.activation_dtype,
+            "status": self.status.value,
+            "timing": asdict(self.timing) if self.timing else None,
+            "error": self.error,
+        }
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> TrialRecord:
+        key = dict(raw["key"])
+        timing = raw["timing"]
+        return cls(
+            id=_text(raw["id"]),
+            study=_text(raw["study"]),
+            batch=_int(raw["batch"]),
+            config=config_from_dict(raw["config"]),
+            key=KernelKey(
+                kind=KernelKind(key["kind"]),
+                source_sha256=_text(key["source_sha256"]),
+                template_sha256=_text(key["template_sha256"]),
+                spec_sha256=_text(key["spec_sha256"]),
+                shape_sha256=_text(key["shape_sha256"]),
+            ),
+            environment=Environment(**{k: _text(v) for k, v in dict(raw["environment"]).items()}),
+            activation_dtype=_text(raw["activation_dtype"]),
+            status=TrialStatus(raw["status"]),
+            timing=None if timing is None else TrialTiming(**dict(timing)),
+            error=_text(raw["error"]),
+        )
+
+
+def config_from_dict(raw: dict) -> KernelConfig:
+    return KernelConfig(
+        block_v=_int(raw["block_v"]),
+        num_warps=_int(raw["num_warps"]),
+        num_stages=_int(raw["num_stages"]),
+        route=Route(raw["route"]),
+        flush_at=_int(raw["flush_at"]),
+    )
+
+
+def _int(value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"expected an integer, got {value!r}")
+    return value
+
+
+def _text(value: object) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"expected a string, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecordFile:
+    """The trials of one spec and shape on one GPU."""
+
+    spec: str
+    shape: str
+    gpu: str
+    trials: tuple[TrialRecord, ...]
+
+    def render(self) -> str:
+        payload = {
+            "format": RECORD_FORMAT,
+            "spec": self.spec,
+            "shape": self.shape,
+            "gpu": self.gpu,
+            "trials": [t.as_dict() for t in self.trials],
+        }
+        return json.dumps(payload, indent=1, sort_keys=True) + "\n"
+
+
+def record_path(tune_dir: Path, gpu: str, spec: Spec, shape: TargetShape) -> Path:
+    return Path(tune_dir) / gpu / f"{spec.name}_{shape.ident}.json"
+
+
+def read_records(path: Path) -> RecordFile:
+    """Parse a record file; TuningRecordError naming it if it is truncated or malformed."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise TuningRecordError(f"{path}: cannot read tuning record: {exc.strerror}") from None
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TuningRecordError(f"{path}: corrupt or truncated tuning record (line {exc.lineno}, column {exc.colno}: {exc.msg}); restore it from git or delete it") from None
+    if not isinstance(raw, dict) or raw.get("format") != RECORD_FORMAT:
+        raise TuningRecordError(f"{path}: not a tuning record of format {RECORD_FORMAT}")
+    trials = []
+    for index, trial in enumerate(raw.get("trials", ())):
+        try:
+            trials.append(TrialRecord.from_dict(trial))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise TuningRecordError(f"{path}: trial {index} is malformed ({type(exc).__name__}: {exc})") from None
+    try:
+        return RecordFile(spec=_text(raw["spec"]), shape=_text(raw["shape"]), gpu=_text(raw["gpu"]), trials=tuple(trials))
+    except (KeyError, TypeError) as exc:
+        raise TuningRecordError(f"{path}: malformed header ({type(exc).__name__}: {exc})") from None
+
+
+@contextmanager
+def _locked(folder: Path) -> Iterator[None]:
+    """An exclusive lock on `folder` (flock on its descriptor): writers to its record files take turns."""
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def append_trials(path: Path, *, spec: str, shape: str, gpu: str, trials: Iterable[TrialRecord]) -> RecordFile:
+    """Add `trials` to the record file at `path` (created if missing), atomically; returns the merged file."""
+    path = Path(path)
+    with _locked(path.parent):
+        current = read_records(path) if path.exists() else RecordFile(spec=spec, shape=shape, gpu=gpu, trials=())
+        if (current.spec, current.shape, current.gpu) != (spec, shape, gpu):
+            raise TuningRecordError(f"{path}: holds {current.spec}/{current.shape} on {current.gpu}, not {spec}/{shape} on {gpu}")
+        known = {t.id for t in current.trials}
+        merged = RecordFile(spec=spec, shape=shape, gpu=gpu, trials=current.trials + tuple(t for t in trials if t.id not in known))
+        write_if_changed(path, merged.render())
+    return merged
+
+
+class RecordStore:
+    """The record file of one spec and shape on one GPU, as a tune writes it: every trial saved as it ends."""
+
+    def __init__(self, path: Path, *, spec: str, shape: str, gpu: str):
+        self.path = Path(path)
+        self.header = {"spec": spec, "shape": shape, "gpu": gpu}
+        self.file = read_records(self.path) if self.path.exists() else RecordFile(**self.header, trials=())
+
+    @property
+    def trials(self) -> tuple[TrialRecord, ...]:
+        return self.file.trials
+
+    def add(self, trial: TrialRecord) -> None:
+        self.file = append_trials(self.path, **self.header, trials=[trial])
