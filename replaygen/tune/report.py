@@ -1,0 +1,103 @@
+"""What a tune shows: one progress line per trial (stderr) and a summary table at the end."""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from typing import TextIO
+
+from replaygen.configs import KernelConfig, KernelKind
+from replaygen.tune.records import TrialRecord, TrialStatus
+from replaygen.tune.study import Progress, SearchResult, SearchTask
+
+# The kernel each kind's speedup is taken against.
+BASELINE_OF = {KernelKind.REPLAY_DECODE: KernelKind.BASELINE_DECODE, KernelKind.REPLAY_VERIFY: KernelKind.BASELINE_VERIFY}
+
+
+def describe(config: KernelConfig, kind: KernelKind) -> str:
+    text = f"bv={config.block_v} w={config.num_warps} st={config.num_stages}"
+    if kind is KernelKind.REPLAY_DECODE:
+        text += f" {config.route.value} flush={config.flush_at}"
+    return text
+
+
+def _ms(record: TrialRecord | None) -> str:
+    return f"{record.value:.4f}" if record is not None and math.isfinite(record.value) else "-"
+
+
+class LineProgress(Progress):
+    """One line per trial: `[search/total] shape kind b=N #trial config: result (best ...)`."""
+
+    def __init__(self, stream: TextIO = sys.stderr, trials: int | None = None):
+        self.stream = stream
+        self.trials = trials
+        self._prefix = ""
+
+    def search_started(self, index: int, total: int, task: SearchTask) -> None:
+        self._prefix = f"[{index + 1}/{total}] {task.label}"
+        print(f"{self._prefix}: {len(task.space.candidates())} candidates of {task.space.size} points", file=self.stream, flush=True)
+
+    def trial(self, task: SearchTask, number: int, record: TrialRecord, reused: bool, best: TrialRecord | None) -> None:
+        result = f"{record.value:.4f} ms" if record.status is TrialStatus.OK else f"{record.status.value.upper()} {record.error[:120]}"
+        count = f"#{number}" + (f"/{self.trials}" if self.trials else "")
+        note = " (recorded)" if reused else ""
+        print(f"{self._prefix} {count} {describe(record.config, task.kind)}: {result}{note} (best {_ms(best)})", file=self.stream, flush=True)
+
+    def search_done(self, result: SearchResult) -> None:
+        print(f"{self._prefix}: best {_ms(result.best)} ms after {result.trials} trials ({result.measured} timed now, {result.pruned} pruned)", file=self.stream, flush=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SummaryRow:
+    shape: str
+    kind: KernelKind
+    batch: int
+    mode: str
+    best_ms: float  # inf when nothing passed
+    config: str
+    vs_default: float | None  # default time / best time
+    vs_baseline: float | None  # the baseline kernel's best time / best time
+    trials: int
+    measured: int
+
+
+def summary_rows(results: list[SearchResult]) -> list[SummaryRow]:
+    best = {(r.task.shape.name, r.task.kind, r.task.batch): r.best for r in results}
+    rows = []
+    for r in results:
+        t = r.task
+        value = r.best.value if r.best else math.inf
+        base = best.get((t.shape.name, BASELINE_OF.get(t.kind), t.batch))
+        rows.append(
+            SummaryRow(
+                shape=t.shape.name,
+                kind=t.kind,
+                batch=t.batch,
+                mode=r.mode.value,
+                best_ms=value,
+                config=describe(r.best.config, t.kind) if r.best else "none passed",
+                vs_default=_ratio(r.default.value if r.default else math.inf, value),
+                vs_baseline=_ratio(base.value if base else math.inf, value),
+                trials=r.trials,
+                measured=r.measured,
+            )
+        )
+    return rows
+
+
+def _ratio(other: float, value: float) -> float | None:
+    return other / value if math.isfinite(other) and math.isfinite(value) else None
+
+
+def format_summary(rows: list[SummaryRow]) -> str:
+    def x(v: float | None) -> str:
+        return f"{v:.3f}x" if v is not None else "-"
+
+    lines = [f"{'shape':<18}{'kernel':<17}{'batch':>6}  {'mode':<11}{'best ms':>10}{'vs default':>11}{'vs baseline':>12}{'trials':>7}{'timed':>6}  config"]
+    for r in rows:
+        best = f"{r.best_ms:.4f}" if math.isfinite(r.best_ms) else "-"
+        lines.append(
+            f"{r.shape:<18}{r.kind.value:<17}{r.batch:>6}  {r.mode:<11}{best:>10}{x(r.vs_default):>11}{x(r.vs_baseline):>12}{r.trials:>7}{r.measured:>6}  {r.config}"
+        )
+    return "\n".join(lines)

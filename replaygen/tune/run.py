@@ -1,0 +1,83 @@
+"""`replaygen tune` on a CUDA device: wire the device, the record files, the driver and the report."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+from replaygen.build import GPU_NAME
+from replaygen.configs import KernelKind
+from replaygen.errors import ReplaygenError
+from replaygen.spec.model import Spec, TargetShape
+from replaygen.tune.objective import gpu_evaluator
+from replaygen.tune.records import RecordStore, current_environment, record_path
+from replaygen.tune.report import LineProgress, format_summary, summary_rows
+from replaygen.tune.study import JOURNAL_NAME, Mode, SearchResult, TuneSettings, plan_tasks, tune
+
+# A GPU model in a device name: "NVIDIA H100 80GB HBM3" -> h100, "NVIDIA A100-SXM4-80GB" -> a100.
+GPU_MODEL = re.compile(r"\b([A-Z]{1,2}\d{2,4}[A-Z]?)\b")
+ACTIVATION_PREFERENCE = ("bfloat16", "float16", "float32")
+
+
+def gpu_name_of(device_name: str) -> str:
+    match = GPU_MODEL.search(device_name)
+    if match is None:
+        raise ReplaygenError(f"cannot name the GPU '{device_name}' for its records folder: pass --gpu NAME")
+    return match.group(1).lower()
+
+
+def run_tune(
+    spec: Spec,
+    shapes: tuple[TargetShape, ...],
+    *,
+    kinds: tuple[KernelKind, ...],
+    batches: tuple[int, ...],
+    trials: int,
+    exhaustive: bool,
+    fixed: tuple[tuple[str, str], ...],
+    storage: str | None,
+    gpu: str | None,
+    out_dir: Path,
+    timeout_s: float | None,
+    seed: int,
+) -> list[SearchResult]:
+    """Tune on the current CUDA device; records go to out_dir/<gpu>/, the summary to stdout."""
+    import torch
+
+    device = torch.device("cuda")
+    gpu = gpu or gpu_name_of(torch.cuda.get_device_name(device))
+    if not GPU_NAME.match(gpu):
+        raise ReplaygenError(f"--gpu '{gpu}' must be lowercase letters, digits, '-' or '_' (e.g. h100)")
+    dtype_name = next(d for d in ACTIVATION_PREFERENCE if d in {a.value for a in spec.activations})
+    act_dtype = getattr(torch, dtype_name)
+    environment = current_environment(gpu, device)
+    settings = TuneSettings(
+        trials=trials,
+        mode=Mode.EXHAUSTIVE if exhaustive else Mode.OPTUNA,
+        storage=storage,
+        journal=Path(out_dir) / gpu / JOURNAL_NAME,
+        seed=seed,
+        activation_dtype=dtype_name,
+    )
+    tasks = plan_tasks(spec, shapes, kinds, batches, fixed)
+    stores = {shape.name: RecordStore(record_path(out_dir, gpu, spec, shape), spec=spec.name, shape=shape.name, gpu=gpu) for shape in shapes}
+    print(
+        f"tuning {spec.name} on {environment.device_name} (sm {environment.compute_capability}, triton {environment.triton}) as '{gpu}', "
+        f"{dtype_name}: {len(tasks)} searches, {'exhaustive' if exhaustive else f'{trials} Optuna trials each'}",
+        flush=True,
+    )
+    results = tune(
+        tasks,
+        evaluator_for=lambda shape: gpu_evaluator(spec, shape, device, act_dtype, kinds),
+        store_for=lambda shape: stores[shape.name],
+        environment=environment,
+        settings=settings,
+        progress=LineProgress(sys.stderr, None if exhaustive else trials),
+        timeout_s=timeout_s,
+    )
+    print(format_summary(summary_rows(results)))
+    for store in stores.values():
+        print(f"records: {store.path} ({len(store.trials)} trials)")
+    print(f"next: replaygen build {spec.source_file} --gpu {gpu} --tune-dir {out_dir}")
+    return results

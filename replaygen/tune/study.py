@@ -1,0 +1,341 @@
+"""The search driver: per shape, batch size and kernel, find the fastest config that is correct.
+
+Optuna mode (the default) runs TPE over the space's free parameters (powers of two as log2
+integers, flush_at and num_stages as integers, the route as a category) through ask-and-tell:
+
+- storage: a journal file (`JournalStorage(JournalFileBackend(path))`, default
+  `<out>/<gpu>/optuna.journal`) or any Optuna storage URL (`--storage sqlite:///tune.db`,
+  PostgreSQL, ...), so several processes or hosts can work on one study;
+- study name: `replaygen:<spec>:<shape>:<kind>:b<batch>:<gpu>:<hash>`, the hash over the search
+  space, the templates, the spec, the environment and the activation dtype: a changed space or
+  kernel starts a fresh study, an unchanged one resumes (its complete trials count toward
+  --trials);
+- the documented default is enqueued first; pruned points are told PRUNED (never compiled,
+  not counted); a config whose trial is already in the records (same kernel key, environment,
+  batch and dtype) is not measured again: its recorded value is told.
+
+Exhaustive mode times every candidate of the space, in order, without Optuna.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import time
+import uuid
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import optuna
+from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
+from optuna.storages import JournalStorage
+from optuna.storages.journal import JournalFileBackend
+from optuna.trial import TrialState
+
+from replaygen.codegen import template_hash
+from replaygen.configs import KernelConfig, KernelKind
+from replaygen.errors import ReplaygenError
+from replaygen.spec.model import Spec, TargetShape
+from replaygen.tune.objective import Evaluator
+from replaygen.tune.records import Environment, RecordStore, TrialRecord, canonical_sha256, render_candidate
+from replaygen.tune.space import Scale, SearchSpace, derive_space
+
+log = logging.getLogger(__name__)
+
+JOURNAL_NAME = "optuna.journal"
+EXHAUSTIVE_STUDY = "exhaustive"
+MAX_CONSECUTIVE_PRUNED = 200
+
+
+class Mode(enum.Enum):
+    OPTUNA = "optuna"
+    EXHAUSTIVE = "exhaustive"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TuneSettings:
+    trials: int = 30  # per search (shape, kernel, batch), Optuna mode
+    mode: Mode = Mode.OPTUNA
+    storage: str | None = None  # an Optuna storage URL; None: the journal file
+    journal: Path | None = None  # the journal file when storage is None
+    seed: int = 0
+    activation_dtype: str = "bfloat16"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchTask:
+    spec: Spec
+    shape: TargetShape
+    kind: KernelKind
+    batch: int
+    space: SearchSpace
+
+    @property
+    def label(self) -> str:
+        return f"{self.shape.name} {self.kind.value} b={self.batch}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchResult:
+    task: SearchTask
+    mode: Mode
+    study: str
+    best: TrialRecord | None  # None when nothing passed
+    default: TrialRecord | None  # the documented default's trial, when it ran
+    trials: int  # Optuna: complete trials of the study (resumed ones too); exhaustive: candidates done
+    measured: int  # candidates timed by this run (the rest reused recorded trials)
+    pruned: int  # points pruned before compiling (Optuna: proposals; exhaustive: the space's)
+
+
+def plan_tasks(spec: Spec, shapes: tuple[TargetShape, ...], kinds: tuple[KernelKind, ...], batches: tuple[int, ...], fixed: tuple[tuple[str, str], ...] = ()) -> list[SearchTask]:
+    """One search per shape, batch size and kernel (batch-major, so one workload serves a batch's kernels).
+
+    `fixed` (from --fix NAME=VALUE) restricts a parameter in every space where it is free.
+    """
+    tasks = []
+    used = set()
+    for shape in shapes:
+        for batch in batches:
+            for kind in kinds:
+                space = derive_space(kind, shape, batch)
+                for name, value in fixed:
+                    if name in {p.name for p in space.free}:
+                        space = space.fix(name, value)
+                        used.add(name)
+                tasks.append(SearchTask(spec=spec, shape=shape, kind=kind, batch=batch, space=space))
+    unused = [f"{n}={v}" for n, v in fixed if n not in used]
+    if unused:
+        raise ReplaygenError(f"--fix {', '.join(unused)}: no kernel among {', '.join(k.value for k in kinds)} searches that parameter")
+    return tasks
+
+
+def make_storage(settings: TuneSettings) -> optuna.storages.BaseStorage | str:
+    if settings.storage:
+        return settings.storage
+    if settings.journal is None:
+        raise ValueError("TuneSettings needs a storage URL or a journal path")
+    settings.journal.parent.mkdir(parents=True, exist_ok=True)
+    return JournalStorage(JournalFileBackend(str(settings.journal)))
+
+
+def distributions(space: SearchSpace) -> dict[str, BaseDistribution]:
+    """Optuna's view of the free parameters: log2 and linear ones as integer ranges, so TPE sees their order."""
+    out: dict[str, BaseDistribution] = {}
+    for p in space.free:
+        if p.scale is Scale.LOG2:
+            out[f"log2_{p.name}"] = IntDistribution(p.choices[0].bit_length() - 1, p.choices[-1].bit_length() - 1)
+        elif p.scale is Scale.LINEAR:
+            out[p.name] = IntDistribution(p.choices[0], p.choices[-1])
+        else:
+            out[p.name] = CategoricalDistribution(p.choices)
+    return out
+
+
+def decode_params(space: SearchSpace, params: dict[str, object]) -> KernelConfig:
+    values = {}
+    for p in space.free:
+        values[p.name] = 1 << params[f"log2_{p.name}"] if p.scale is Scale.LOG2 else params[p.name]
+    return space.config(values)
+
+
+def encode_params(space: SearchSpace, config: KernelConfig) -> dict[str, object]:
+    params = {}
+    for name, value in space.values(config).items():
+        scale = space.parameter(name).scale
+        params[f"log2_{name}" if scale is Scale.LOG2 else name] = value.bit_length() - 1 if scale is Scale.LOG2 else value
+    return params
+
+
+class Progress:
+    """Hears where a tune is; does nothing (`replaygen.tune.report.LineProgress` prints)."""
+
+    def search_started(self, index: int, total: int, task: SearchTask) -> None: ...
+
+    def trial(self, task: SearchTask, number: int, record: TrialRecord, reused: bool, best: TrialRecord | None) -> None: ...
+
+    def search_done(self, result: SearchResult) -> None: ...
+
+
+class Tuner:
+    """Runs searches for one spec and shape, writing every trial to the record store as it ends."""
+
+    def __init__(
+        self,
+        *,
+        shape: TargetShape,
+        evaluator: Evaluator,
+        store: RecordStore,
+        environment: Environment,
+        settings: TuneSettings,
+        progress: Progress,
+        storage: object = None,
+    ):
+        """`storage`: what optuna.create_study takes (see make_storage); unused in exhaustive mode."""
+        self.shape = shape
+        self.evaluator = evaluator
+        self.store = store
+        self.environment = environment
+        self.settings = settings
+        self.progress = progress
+        self.storage = storage
+        fingerprint = environment.fingerprint()
+        self._known = {
+            (t.key.source_sha256, t.batch): t
+            for t in store.trials
+            if t.environment.fingerprint() == fingerprint and t.activation_dtype == settings.activation_dtype
+        }
+
+    def study_name(self, task: SearchTask) -> str:
+        digest = canonical_sha256({
+            "space": task.space.key(),
+            "template_sha256": template_hash(),
+            "spec_sha256": task.spec.source_sha256,
+            "environment": self.environment.fingerprint(),
+            "activation_dtype": self.settings.activation_dtype,
+        })
+        return f"replaygen:{task.spec.name}:{task.shape.name}:{task.kind.value}:b{task.batch}:{self.environment.gpu}:{digest[:16]}"
+
+    def search(self, task: SearchTask, deadline: float | None = None) -> SearchResult:
+        if self.settings.mode is Mode.EXHAUSTIVE:
+            return self._exhaustive(task, deadline)
+        return self._optuna(task, deadline)
+
+    def _measure(self, task: SearchTask, config: KernelConfig, study: str) -> tuple[TrialRecord, bool]:
+        """The trial of `config` at the task's batch: from the records if known, else timed and saved."""
+        candidate = render_candidate(task.spec, task.shape, task.kind, config)
+        known = self._known.get((candidate.key.source_sha256, task.batch))
+        if known is not None:
+            return known, True
+        outcome = self.evaluator.evaluate(candidate, task.batch)
+        record = TrialRecord(
+            id=uuid.uuid4().hex,
+            study=study,
+            batch=task.batch,
+            config=config,
+            key=candidate.key,
+            environment=self.environment,
+            activation_dtype=self.settings.activation_dtype,
+            status=outcome.status,
+            timing=outcome.timing,
+            error=outcome.error,
+        )
+        self.store.add(record)
+        self._known[(candidate.key.source_sha256, task.batch)] = record
+        return record, False
+
+    def _exhaustive(self, task: SearchTask, deadline: float | None) -> SearchResult:
+        results: dict[KernelConfig, TrialRecord] = {}
+        measured = 0
+        candidates = task.space.candidates()
+        for config in candidates:
+            if deadline is not None and results and time.monotonic() > deadline:
+                log.warning("%s: time is up after %d of %d candidates", task.label, len(results), len(candidates))
+                break
+            record, reused = self._measure(task, config, EXHAUSTIVE_STUDY)
+            results[config] = record
+            measured += not reused
+            self.progress.trial(task, len(results), record, reused, _best(results))
+        pruned = sum(1 for c in task.space.points() if task.space.prune_reason(c) is not None)
+        return self._result(task, Mode.EXHAUSTIVE, EXHAUSTIVE_STUDY, results, len(results), measured, pruned)
+
+    def _optuna(self, task: SearchTask, deadline: float | None) -> SearchResult:
+        space = task.space
+        name = self.study_name(task)
+        study = optuna.create_study(study_name=name, storage=self.storage, direction="minimize", load_if_exists=True)
+        study.sampler = _sampler(self.settings, len(study.trials))
+        dists = distributions(space)
+        if space.contains(space.default):
+            study.enqueue_trial(encode_params(space, space.default), skip_if_exists=True)
+        results: dict[KernelConfig, TrialRecord] = {}
+        complete = 0
+        for previous in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            complete += 1
+            config = decode_params(space, previous.params)
+            known = self._known.get((render_candidate(task.spec, task.shape, task.kind, config).key.source_sha256, task.batch))
+            if known is not None:
+                results[config] = known
+        distinct = len(space.candidates())
+        measured = pruned = consecutive_pruned = 0
+        while complete < self.settings.trials and len(results) < distinct:
+            if deadline is not None and complete and time.monotonic() > deadline:
+                log.warning("%s: time is up after %d trials", task.label, complete)
+                break
+            trial = study.ask(dists)
+            config = decode_params(space, trial.params)
+            if space.prune_reason(config) is not None:
+                study.tell(trial, state=TrialState.PRUNED)
+                pruned += 1
+                consecutive_pruned += 1
+                if consecutive_pruned >= MAX_CONSECUTIVE_PRUNED:
+                    log.warning("%s: the sampler proposed %d pruned points in a row; stopping", task.label, consecutive_pruned)
+                    break
+                continue
+            consecutive_pruned = 0
+            record, reused = self._measure(task, config, name)
+            study.tell(trial, record.value)
+            complete += 1
+            results[config] = record
+            measured += not reused
+            self.progress.trial(task, complete, record, reused, _best(results))
+        return self._result(task, Mode.OPTUNA, name, results, complete, measured, pruned)
+
+    def _result(self, task: SearchTask, mode: Mode, study: str, results: dict[KernelConfig, TrialRecord], trials: int, measured: int, pruned: int) -> SearchResult:
+        result = SearchResult(
+            task=task,
+            mode=mode,
+            study=study,
+            best=_best(results),
+            default=results.get(task.space.default),
+            trials=trials,
+            measured=measured,
+            pruned=pruned,
+        )
+        self.progress.search_done(result)
+        return result
+
+
+def _sampler(settings: TuneSettings, previous_trials: int) -> optuna.samplers.BaseSampler:
+    """TPE, multivariate (block_v, warps and stages interact); reseeded on resume so it does not replay its first proposals."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return optuna.samplers.TPESampler(
+            seed=settings.seed + previous_trials,
+            n_startup_trials=min(10, max(3, settings.trials // 3)),
+            multivariate=True,
+        )
+
+
+def _best(results: dict[KernelConfig, TrialRecord]) -> TrialRecord | None:
+    passing = [r for r in results.values() if math.isfinite(r.value)]
+    return min(passing, key=lambda r: (r.value, sorted(r.config.as_dict().items()))) if passing else None
+
+
+def tune(
+    tasks: list[SearchTask],
+    *,
+    evaluator_for: Callable[[TargetShape], Evaluator],
+    store_for: Callable[[TargetShape], RecordStore],
+    environment: Environment,
+    settings: TuneSettings,
+    progress: Progress,
+    timeout_s: float | None = None,
+) -> list[SearchResult]:
+    """Run every task; with `timeout_s`, each search gets an equal share of the time left."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    storage = make_storage(settings) if settings.mode is Mode.OPTUNA else None
+    end = None if timeout_s is None else time.monotonic() + timeout_s
+    tuner: Tuner | None = None
+    results = []
+    for index, task in enumerate(tasks):
+        if tuner is None or tuner.shape != task.shape:
+            tuner = None  # its evaluator's workloads go before the next shape's are allocated
+            tuner = Tuner(
+                shape=task.shape, evaluator=evaluator_for(task.shape), store=store_for(task.shape), environment=environment, settings=settings, progress=progress, storage=storage
+            )
+        deadline = None if end is None else time.monotonic() + (end - time.monotonic()) / (len(tasks) - index)
+        progress.search_started(index, len(tasks), task)
+        results.append(tuner.search(task, deadline))
+    return results
