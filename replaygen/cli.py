@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 
 from replaygen import __version__
+from replaygen.configs import KernelKind
 from replaygen.errors import ReplaygenError
+from replaygen.tune.space import TUNABLE_KINDS as TUNABLE
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -29,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_spec(p)
     p.add_argument("--gpu", default="h100", help="GPU the configs are for; names the output folder (default: h100)")
     p.add_argument("--out", default="generated", type=Path, help="output folder (default: generated)")
+    p.add_argument("--tune-dir", default="tune", type=Path, help="tuning records, read from TUNE_DIR/GPU/SPEC_SHAPE.json (default: tune)")
+    p.add_argument("--allow-default", action="store_true", help="build with the documented default configs where no tuning record applies (and say so)")
+    p.add_argument("--accept-env-mismatch", action="store_true", help="apply records tuned under another triton or replaygen version (listed); never those of another GPU or of changed kernels")
 
     p = sub.add_parser("check", help="run the generated kernels against the float64 reference", description=(
         "Generate the kernels and compare them step by step with the float64 reference over several flush cycles, "
@@ -55,6 +60,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--T", dest="windows", default="2,4,6,8", help="speculative windows to time verify at (default: 2,4,6,8; '' to skip)")
     p.add_argument("--out", type=Path, default=None, help="write bench_<spec>.json here")
 
+    p = sub.add_parser("tune", help="search the kernels' launch configs on this GPU and record every trial", description=(
+        "Per shape, batch size and kernel, search the launch configs (block_v, warps, stages; route and flush threshold for "
+        "replay decode) with Optuna, or every candidate with --exhaustive. Each candidate is checked against the float64 "
+        "reference, then timed as bench does (cold state, whole flush cycles, CUDA graphs). Every trial is written to "
+        "OUT/GPU/SPEC_SHAPE.json as it ends; `replaygen build --gpu GPU` bakes the winners in."))
+    _add_spec(p)
+    p.add_argument("--batch", default="1,8,32,128,256,512", help="comma-separated batch sizes, the upper edges of the dispatch buckets (default: 1,8,32,128,256,512)")
+    p.add_argument("--kernels", default=",".join(k.value for k in TUNABLE), help=f"comma-separated kernels to tune (default: {','.join(k.value for k in TUNABLE)})")
+    p.add_argument("--trials", type=int, default=30, help="Optuna trials per shape, kernel and batch size (default: 30)")
+    p.add_argument("--exhaustive", action="store_true", help="time every candidate of the space instead (for small spaces and for checking the search)")
+    p.add_argument("--fix", action="append", default=[], metavar="NAME=VALUE", help="restrict a parameter to one value, e.g. flush_at=16 (repeatable)")
+    p.add_argument("--storage", default=None, metavar="URL", help="Optuna storage URL shared by several processes or hosts (default: the journal file OUT/GPU/optuna.journal)")
+    p.add_argument("--gpu", default=None, help="GPU name the records are filed under (default: from the device name, e.g. h100)")
+    p.add_argument("--out", default="tune", type=Path, help="records folder (default: tune)")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="stop starting trials after this long; each search gets an equal share of the time left")
+    p.add_argument("--seed", type=int, default=0, help="sampler seed (default: 0)")
+
     p = sub.add_parser("list", help="specs, their shapes, and GPUs with tuning records", description="List the specs in SPECS_DIR with their shapes, and the GPUs that have tuning records in TUNE_DIR.")
     p.add_argument("--specs-dir", default="specs", type=Path)
     p.add_argument("--tune-dir", default="tune", type=Path)
@@ -77,8 +99,11 @@ def cmd_build(args: argparse.Namespace) -> int:
 
     spec = load_spec(args.spec)
     shapes = select_shapes(spec, args.shape)
-    print(f"{spec.name}: using the documented default configs (replaygen/configs.py: default_configs); no tuning records are applied by this version")
-    for module in build_spec(spec, shapes, args.gpu, args.out):
+    built = build_spec(spec, shapes, args.gpu, args.out, tune_dir=args.tune_dir, allow_default=args.allow_default, accept_env_mismatch=args.accept_env_mismatch)
+    for module in built:
+        print(f"{spec.name}/{module.plan.shape.name} for {args.gpu}: configs from {module.plan.config_source}")
+        for note in module.notes:
+            print(f"  {note}")
         print(f"  {'wrote    ' if module.written else 'unchanged'} {module.path}")
     return 0
 
@@ -213,7 +238,48 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"bench": cmd_bench, "build": cmd_build, "check": cmd_check, "show": cmd_show, "list": cmd_list}
+def cmd_tune(args: argparse.Namespace) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ReplaygenError("tune needs a CUDA GPU (none found): it times every candidate on the GPU it tunes for")
+    from replaygen.build import select_shapes
+    from replaygen.spec import load_spec
+    from replaygen.tune.run import run_tune
+
+    spec = load_spec(args.spec)
+    try:
+        kinds = tuple(KernelKind(name.strip()) for name in args.kernels.split(",") if name.strip())
+    except ValueError:
+        raise ReplaygenError(f"--kernels takes {','.join(k.value for k in TUNABLE)}, got '{args.kernels}'") from None
+    if not kinds or not set(kinds) <= set(TUNABLE):
+        raise ReplaygenError(f"--kernels takes {','.join(k.value for k in TUNABLE)}, got '{args.kernels}'")
+    if args.trials < 1:
+        raise ReplaygenError(f"--trials must be positive, got {args.trials}")
+    fixed = []
+    for item in args.fix:
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value:
+            raise ReplaygenError(f"--fix takes NAME=VALUE, got '{item}'")
+        fixed.append((name.strip(), value.strip()))
+    run_tune(
+        spec,
+        select_shapes(spec, args.shape),
+        kinds=kinds,
+        batches=tuple(_int_list("--batch", args.batch)),
+        trials=args.trials,
+        exhaustive=args.exhaustive,
+        fixed=tuple(fixed),
+        storage=args.storage,
+        gpu=args.gpu,
+        out_dir=args.out,
+        timeout_s=args.timeout,
+        seed=args.seed,
+    )
+    return 0
+
+
+COMMANDS = {"bench": cmd_bench, "build": cmd_build, "check": cmd_check, "show": cmd_show, "list": cmd_list, "tune": cmd_tune}
 
 if __name__ == "__main__":
     sys.exit(main())

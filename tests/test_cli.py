@@ -45,9 +45,12 @@ def test_list(capsys, tmp_path):
 
 
 def test_build(capsys, tmp_path):
-    assert main(["build", str(write_tiny(tmp_path)), "--gpu", "h100", "--out", str(tmp_path / "gen")]) == 0
+    spec = str(write_tiny(tmp_path))
+    assert main(["build", spec, "--gpu", "h100", "--out", str(tmp_path / "gen"), "--tune-dir", str(tmp_path / "tune")]) == 2
+    assert "--allow-default" in capsys.readouterr().err
+    assert main(["build", spec, "--gpu", "h100", "--out", str(tmp_path / "gen"), "--tune-dir", str(tmp_path / "tune"), "--allow-default"]) == 0
     out = capsys.readouterr().out
-    assert "default configs" in out
+    assert "configs from defaults" in out and "documented defaults (--allow-default)" in out
     assert (tmp_path / "gen" / "h100" / "tiny_t.py").is_file()
 
 

@@ -1,0 +1,191 @@
+"""From tuning records to the dispatch tables `replaygen build` bakes in.
+
+Per tuned kernel and batch size, the winner is the fastest OK trial whose key still matches:
+
+- hard mismatches are never applied: templates, spec or shape changed since tuning, the
+  re-rendered candidate's source hash differs (codegen or another kernel's default changed),
+  or the trial was made for another GPU name;
+- soft mismatches (another Triton or replaygen version) are applied only when asked
+  (`--accept-env-mismatch`), and said so.
+
+Every trial left out is reported with its file and reason. A batch size that was tuned
+becomes the upper edge of a bucket (the largest tuned one is open-ended); neighbouring buckets
+with one winner merge. Kernels the file never tuned (materialize, load and commit always) keep
+their documented defaults, and the build says so; a kernel whose trials all fail to apply
+needs --allow-default.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from replaygen import __version__
+from replaygen.codegen import template_hash
+from replaygen.configs import BucketConfig, KernelConfig, KernelKind, default_configs
+from replaygen.errors import TuningRecordError
+from replaygen.spec.model import Spec, TargetShape
+from replaygen.tune.records import RecordFile, TrialRecord, TrialStatus, read_records, record_path, render_candidate, shape_sha256
+from replaygen.tune.space import TUNABLE_KINDS
+
+
+class Mismatch(enum.Enum):
+    TEMPLATE = "templates changed since tuning"
+    SPEC = "spec changed since tuning"
+    SHAPE = "shape changed since tuning"
+    SOURCE = "generated source differs (replaygen codegen or another kernel's default changed)"
+    GPU = "GPU differs"
+    TRITON = "triton version differs"
+    REPLAYGEN = "replaygen version differs"
+
+    @property
+    def soft(self) -> bool:
+        return self in (Mismatch.TRITON, Mismatch.REPLAYGEN)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BuildTarget:
+    """What a build's records must match."""
+
+    spec: Spec
+    shape: TargetShape
+    gpu: str
+    template_sha256: str
+    triton: str
+    replaygen: str = __version__
+
+
+def build_target(spec: Spec, shape: TargetShape, gpu: str) -> BuildTarget:
+    import triton
+
+    return BuildTarget(spec=spec, shape=shape, gpu=gpu, template_sha256=template_hash(), triton=triton.__version__)
+
+
+def mismatches(trial: TrialRecord, target: BuildTarget) -> list[tuple[Mismatch, str]]:
+    """Why `trial` does not match `target` (cheap checks; the source hash is checked for winners only)."""
+    found = []
+    env = trial.environment
+    if trial.key.template_sha256 != target.template_sha256:
+        found.append((Mismatch.TEMPLATE, f"template sha256 {trial.key.template_sha256[:12]} then, {target.template_sha256[:12]} now"))
+    if trial.key.spec_sha256 != target.spec.source_sha256:
+        found.append((Mismatch.SPEC, f"spec sha256 {trial.key.spec_sha256[:12]} then, {target.spec.source_sha256[:12]} now"))
+    if trial.key.shape_sha256 != shape_sha256(target.shape):
+        found.append((Mismatch.SHAPE, f"shape '{target.shape.name}' has other sizes now"))
+    if env.gpu != target.gpu:
+        found.append((Mismatch.GPU, f"tuned for '{env.gpu}' ({env.device_name}), building for '{target.gpu}'"))
+    if env.triton != target.triton:
+        found.append((Mismatch.TRITON, f"tuned with triton {env.triton}, triton {target.triton} here"))
+    if env.replaygen != target.replaygen:
+        found.append((Mismatch.REPLAYGEN, f"tuned with replaygen {env.replaygen}, {target.replaygen} here"))
+    return found
+
+
+@dataclass(frozen=True, kw_only=True)
+class Resolved:
+    """The configs of one module and where they came from."""
+
+    configs: dict[KernelKind, tuple[BucketConfig, ...]]
+    source: str  # the plan's config_source
+    notes: tuple[str, ...]  # what was applied, what was not and why
+
+
+@dataclass
+class _KindPick:
+    winners: dict[int, TrialRecord] = field(default_factory=dict)  # batch -> trial
+    skipped: Counter = field(default_factory=Counter)  # (reason, detail) -> trials left out
+    accepted: Counter = field(default_factory=Counter)  # soft (reason, detail) -> winners applied anyway
+
+
+def resolve_configs(
+    spec: Spec,
+    shape: TargetShape,
+    gpu: str,
+    tune_dir: Path,
+    *,
+    allow_default: bool = False,
+    accept_env_mismatch: bool = False,
+) -> Resolved:
+    """The configs to build `shape` with: winners from tune/<gpu>/<spec>_<shape>.json, defaults where allowed."""
+    defaults = {kind: default_configs(kind, shape) for kind in KernelKind}
+    path = record_path(tune_dir, gpu, spec, shape)
+    label = "/".join(path.parts[-3:])  # e.g. tune/h100/mamba2_nemotron_h.json
+    if not path.exists():
+        if not allow_default:
+            raise TuningRecordError(
+                f"no tuning records for {spec.name}/{shape.name} on {gpu} (expected {path}): run `replaygen tune {spec.source_file} "
+                f"--shape {shape.name} --gpu {gpu}` on that GPU, or pass --allow-default to build with the documented defaults"
+            )
+        return Resolved(configs=defaults, source="defaults", notes=(f"no tuning records at {path}: documented defaults (--allow-default)",))
+    records = read_records(path)
+    if (records.spec, records.shape) != (spec.name, shape.name):
+        raise TuningRecordError(f"{path}: holds records of {records.spec}/{records.shape}, not {spec.name}/{shape.name}")
+    target = build_target(spec, shape, gpu)
+    configs = dict(defaults)
+    notes = []
+    defaulted = sorted(k.value for k in KernelKind if k not in TUNABLE_KINDS)
+    stale = []
+    for kind in TUNABLE_KINDS:
+        pick = _pick(records, kind, target, accept_env_mismatch)
+        for (reason, detail), count in sorted(pick.skipped.items(), key=lambda item: item[0][0].name):
+            notes.append(f"{kind.value}: {count} trial(s) in {path} not applied: {reason.value} ({detail})")
+        for (reason, detail), count in sorted(pick.accepted.items(), key=lambda item: item[0][0].name):
+            notes.append(f"{kind.value}: {count} winner(s) applied although {reason.value} ({detail}; --accept-env-mismatch)")
+        if pick.winners:
+            configs[kind] = dispatch_table({batch: t.config for batch, t in pick.winners.items()})
+            buckets = ", ".join(f"b{batch}: {t.value:.4f} ms" for batch, t in sorted(pick.winners.items()))
+            notes.append(f"{kind.value}: tuned ({buckets})")
+        elif pick.skipped:
+            stale.append(kind.value)
+        else:
+            defaulted.append(kind.value)
+            notes.append(f"{kind.value}: not tuned in {path}: documented defaults")
+    if stale:
+        if not allow_default:
+            raise TuningRecordError(
+                f"{path}: no trial of {', '.join(stale)} applies here:\n  " + "\n  ".join(notes)
+                + "\nre-run `replaygen tune` on that GPU, or pass --allow-default to build those kernels with the documented defaults"
+            )
+        defaulted += stale
+        notes += [f"{kind}: documented defaults (--allow-default)" for kind in stale]
+    source = label + (f"; defaults for {', '.join(sorted(defaulted))}" if defaulted else "")
+    return Resolved(configs=configs, source=source, notes=tuple(notes))
+
+
+def _pick(records: RecordFile, kind: KernelKind, target: BuildTarget, accept_env_mismatch: bool) -> _KindPick:
+    """Every OK trial of `kind` checked (cheap fields); per batch size the fastest eligible one whose source re-renders the same."""
+    pick = _KindPick()
+    eligible: dict[int, list[tuple[TrialRecord, list[tuple[Mismatch, str]]]]] = {}
+    for trial in records.trials:
+        if trial.key.kind is not kind or trial.status is not TrialStatus.OK or trial.timing is None:
+            continue
+        found = mismatches(trial, target)
+        if any(not reason.soft for reason, _ in found) or (found and not accept_env_mismatch):
+            pick.skipped.update(found)
+        else:
+            eligible.setdefault(trial.batch, []).append((trial, found))
+    rendered: dict[KernelConfig, str] = {}
+    for batch, entries in sorted(eligible.items()):
+        for trial, found in sorted(entries, key=lambda entry: (entry[0].value, sorted(entry[0].config.as_dict().items()))):
+            if trial.config not in rendered:
+                rendered[trial.config] = render_candidate(target.spec, target.shape, kind, trial.config).key.source_sha256
+            if rendered[trial.config] != trial.key.source_sha256:
+                pick.skipped[(Mismatch.SOURCE, f"source sha256 {trial.key.source_sha256[:12]} then, {rendered[trial.config][:12]} now")] += 1
+                continue
+            pick.accepted.update(found)
+            pick.winners[batch] = trial
+            break
+    return pick
+
+
+def dispatch_table(winners: dict[int, KernelConfig]) -> tuple[BucketConfig, ...]:
+    """Buckets up to each tuned batch size, the largest open-ended; equal neighbours merged."""
+    batches = sorted(winners)
+    table: list[BucketConfig] = []
+    for index, batch in enumerate(batches):
+        config = winners[batch]
+        if table and table[-1].config == config:
+            table.pop()
+        table.append(BucketConfig(None if index == len(batches) - 1 else batch, config))
+    return tuple(table)

@@ -1,0 +1,550 @@
+"""The autotuner on the CPU: spaces and pruning, record keys and files, build with records, the search loop (fake timer)."""
+
+import json
+import math
+import os
+import shutil
+import types
+import uuid
+from dataclasses import replace
+from pathlib import Path
+
+import optuna
+import pytest
+import torch
+import triton
+
+from replaygen import __version__, measure
+from replaygen.build import build_spec
+from replaygen.cli import main
+from replaygen.configs import KernelConfig, KernelKind, Route
+from replaygen.errors import TuningRecordError
+from replaygen.measure import Timing
+from replaygen.runtime import load_kernels
+from replaygen.spec import load_spec_text
+from replaygen.tune import records as rec
+from replaygen.tune.apply import dispatch_table, resolve_configs
+from replaygen.tune.objective import CheckResult, Evaluator, ReferenceChecker, TuneAborted, WorkloadTimer
+from replaygen.tune.records import Environment, RecordStore, TrialRecord, TrialStatus, TrialTiming, append_trials, read_records, record_path, render_candidate
+from replaygen.tune.report import format_summary, summary_rows
+from replaygen.tune.run import gpu_name_of
+from replaygen.tune.space import PruneRule, derive_space
+from replaygen.tune.study import Mode, Progress, TuneSettings, plan_tasks, tune
+
+from conftest import ROOT, SMALL
+
+BD, RD, RV, BV = KernelKind.BASELINE_DECODE, KernelKind.REPLAY_DECODE, KernelKind.REPLAY_VERIFY, KernelKind.BASELINE_VERIFY
+
+
+def env(**changes):
+    base = dict(gpu="h100", device_name="NVIDIA H100 80GB HBM3", compute_capability="9.0", triton=triton.__version__, replaygen=__version__)
+    return Environment(**{**base, **changes})
+
+
+def trial(spec, shape, kind, config, batch, ms, environment=None, status=TrialStatus.OK):
+    candidate = render_candidate(spec, shape, kind, config)
+    ok = status is TrialStatus.OK
+    return TrialRecord(
+        id=uuid.uuid4().hex,
+        study="test",
+        batch=batch,
+        config=config,
+        key=candidate.key,
+        environment=environment or env(),
+        activation_dtype="bfloat16",
+        status=status,
+        timing=TrialTiming(ms, ms * 0.99, ms * 1.01, 20) if ok else None,
+        error="" if ok else "boom",
+    )
+
+
+def write(tune_dir, spec, shape, trials, gpu="h100"):
+    path = record_path(tune_dir, gpu, spec, shape)
+    append_trials(path, spec=spec.name, shape=shape.name, gpu=gpu, trials=trials)
+    return path
+
+
+# --- search space -------------------------------------------------------------------------------
+
+
+def test_space_of_the_main_shape(mamba2):
+    shape = mamba2.shape("nemotron-h")
+    space = derive_space(RD, shape, batch=128)
+    choices = {p.name: p.choices for p in space.parameters}
+    assert choices == {
+        "block_v": (8, 16, 32, 64),
+        "num_warps": (1, 2, 4, 8),
+        "num_stages": (1, 2, 3),
+        "route": ("output_only", "state_and_output"),
+        "flush_at": tuple(range(1, 17)),
+    }
+    assert space.size == 4 * 4 * 3 * 2 * 16
+    assert space.default == KernelConfig(block_v=16, num_warps=4, flush_at=16)  # the default's 0 written as L
+    assert space.candidates()[0] == space.default
+    assert derive_space(RD, shape, batch=1).default.flush_at == 1
+    baseline = derive_space(BD, shape, batch=8)
+    assert [p.name for p in baseline.free] == ["block_v", "num_warps"]  # no loop: num_stages fixed; no route, no flush
+    assert len(baseline.candidates()) == 15  # 16 points, block_v=64 on one warp spills
+    assert {p.name for p in derive_space(RV, shape, 8).free} == {"block_v", "num_warps", "num_stages"}
+
+
+def test_pruning_rules(mamba2):
+    shape = mamba2.shape("nemotron-h")
+    space = derive_space(RD, shape, batch=8)
+    assert space.prune_reason(KernelConfig(block_v=64, num_warps=1, flush_at=8)) is PruneRule.SPILLS  # 64*128/32 = 256 per thread
+    assert space.prune_reason(KernelConfig(block_v=64, num_warps=2, flush_at=8)) is None  # 128 per thread
+    assert space.prune_reason(KernelConfig(block_v=16, flush_at=1, route=Route.STATE_AND_OUTPUT)) is PruneRule.UNUSED_ROUTE
+    assert space.prune_reason(KernelConfig(block_v=24, flush_at=8)) is PruneRule.INVALID
+    small = derive_space(BD, SMALL, batch=8)  # tile 8 x 16 = 128 elements
+    assert small.prune_reason(KernelConfig(block_v=8, num_warps=8)) is PruneRule.IDLE_THREADS  # 256 threads
+    assert small.prune_reason(KernelConfig(block_v=8, num_warps=4)) is None
+    candidates = space.candidates()
+    assert all(space.prune_reason(c) is None for c in candidates) and len(set(candidates)) == len(candidates)
+    assert len(candidates) == space.size - sum(1 for c in space.points() if space.prune_reason(c) is not None)
+
+
+def test_default_is_never_pruned():
+    tiny = replace(SMALL, value_dim=4, key_dim=8)  # default block_v=8, 4 warps: 64 elements < 128 threads
+    space = derive_space(BD, tiny, batch=8)
+    rule_would = KernelConfig(block_v=8, num_warps=8)
+    assert space.prune_reason(rule_would) is PruneRule.IDLE_THREADS
+    assert space.prune_reason(space.default) is None and space.candidates()[0] == space.default
+
+
+def test_fix_and_space_key(mamba2):
+    shape = mamba2.shape("nemotron-h")
+    space = derive_space(RD, shape, batch=128)
+    assert space.key() == derive_space(RD, shape, batch=128).key()
+    fixed = space.fix("flush_at", "16").fix("route", "output_only")
+    assert fixed.size == 4 * 4 * 3 and fixed.key() != space.key()
+    assert derive_space(RD, replace(shape, capacity=8), batch=128).key() != space.key()
+    with pytest.raises(Exception, match="flush_at in 1"):
+        space.fix("flush_at", "99")
+    with pytest.raises(Exception, match="no parameter 'tile'"):
+        space.fix("tile", "3")
+
+
+def test_plan_tasks_is_batch_major_and_checks_fix(mamba2):
+    shape = mamba2.shape("nemotron-h")
+    tasks = plan_tasks(mamba2, (shape,), (BD, RD), (1, 8), fixed=(("flush_at", "4"),))
+    assert [(t.batch, t.kind) for t in tasks] == [(1, BD), (1, RD), (8, BD), (8, RD)]
+    assert tasks[1].space.parameter("flush_at").choices == (4,)
+    with pytest.raises(Exception, match="--fix flush_at=4"):
+        plan_tasks(mamba2, (shape,), (BD,), (1,), fixed=(("flush_at", "4"),))
+
+
+# --- record keys -------------------------------------------------------------------------------
+
+
+def key_parts(candidate):
+    k = candidate.key
+    return {"source": k.source_sha256, "template": k.template_sha256, "spec": k.spec_sha256, "shape": k.shape_sha256}
+
+
+def changed(a, b):
+    return {name for name in a if a[name] != b[name]}
+
+
+def test_each_key_input_changes_its_part_only(mamba2, monkeypatch, tmp_path):
+    config = KernelConfig(block_v=8, num_warps=2, flush_at=3)
+    base = key_parts(render_candidate(mamba2, SMALL, RD, config))
+    base_env = env().fingerprint()
+    # spec
+    other_spec = load_spec_text((ROOT / "specs" / "mamba2.yaml").read_text().replace("description:", "description: (edited)"), "mamba2.yaml")
+    assert changed(base, key_parts(render_candidate(other_spec, SMALL, RD, config))) == {"source", "spec"}
+    # shape
+    assert changed(base, key_parts(render_candidate(mamba2, replace(SMALL, capacity=5), RD, config))) == {"source", "shape"}
+    # GPU name and triton version: the environment only
+    assert env(gpu="a100").fingerprint() != base_env and env(triton="0.0.1").fingerprint() != base_env
+    assert env(device_name="x").fingerprint() != base_env and env(compute_capability="8.0").fingerprint() != base_env
+    assert key_parts(render_candidate(mamba2, SMALL, RD, config)) == base  # no environment input at all
+    # the config itself
+    assert changed(base, key_parts(render_candidate(mamba2, SMALL, RD, replace(config, num_warps=4)))) == {"source"}
+    # template (last: it switches the template folder)
+    variant = tmp_path / "templates"
+    shutil.copytree(ROOT / "templates", variant)
+    module = variant / "module.py.j2"
+    module.write_text(module.read_text().replace("import torch\n", "import torch  # variant\n", 1))
+    monkeypatch.setenv("REPLAYGEN_TEMPLATES", str(variant))
+    assert changed(base, key_parts(render_candidate(mamba2, SMALL, RD, config))) == {"source", "template"}
+
+
+def test_candidate_runs_the_config_everywhere_and_defaults_elsewhere(mamba2):
+    config = KernelConfig(block_v=8, num_warps=2, flush_at=3)
+    source = render_candidate(mamba2, SMALL, RD, config).source
+    assert "_REPLAY_DECODE_CONFIGS = (\n    (None, {'block_v': 8, 'num_warps': 2, 'num_stages': 1, 'route': 'output_only', 'flush_at': 3})," in source
+    assert '"gpu": "any"' in source
+
+
+# --- record files ------------------------------------------------------------------------------
+
+
+def test_append_merges_and_round_trips(mamba2, tmp_path):
+    a = trial(mamba2, SMALL, RD, KernelConfig(block_v=8, flush_at=2), 8, 1.0)
+    b = trial(mamba2, SMALL, BD, KernelConfig(block_v=8), 8, 2.0, status=TrialStatus.OUT_OF_RESOURCES)
+    path = write(tmp_path, mamba2, SMALL, [a])
+    write(tmp_path, mamba2, SMALL, [a, b])  # a again: kept once
+    loaded = read_records(path)
+    assert loaded.trials == (a, b)
+    assert (loaded.spec, loaded.shape, loaded.gpu) == ("mamba2", "small", "h100")
+    assert b.value == math.inf and a.value == 1.0
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # no temp files left
+
+
+def test_interrupted_write_keeps_the_old_file(mamba2, tmp_path, monkeypatch):
+    path = write(tmp_path, mamba2, SMALL, [trial(mamba2, SMALL, BD, KernelConfig(block_v=8), 8, 1.0)])
+    before = path.read_bytes()
+
+    def crash(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError, match="disk full"):
+        write(tmp_path, mamba2, SMALL, [trial(mamba2, SMALL, BD, KernelConfig(block_v=8, num_warps=2), 8, 1.0)])
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
+
+
+def test_corrupt_file_is_named_and_nothing_else_is_lost(mamba2, tmp_path):
+    other = replace(SMALL, name="other")
+    good = write(tmp_path, mamba2, SMALL, [trial(mamba2, SMALL, BD, KernelConfig(block_v=8), 8, 1.0)])
+    bad = write(tmp_path, mamba2, other, [trial(mamba2, other, BD, KernelConfig(block_v=8), 8, 1.0)])
+    bad.write_text(bad.read_text()[:100])  # truncated
+    truncated = bad.read_bytes()
+    with pytest.raises(TuningRecordError, match=f"{bad}: corrupt or truncated"):
+        read_records(bad)
+    with pytest.raises(TuningRecordError, match=str(bad)):
+        write(tmp_path, mamba2, other, [trial(mamba2, other, BD, KernelConfig(block_v=8, num_warps=2), 8, 1.0)])
+    with pytest.raises(TuningRecordError, match=str(bad)):
+        RecordStore(bad, spec="mamba2", shape="other", gpu="h100")
+    assert bad.read_bytes() == truncated
+    write(tmp_path, mamba2, SMALL, [trial(mamba2, SMALL, BD, KernelConfig(block_v=8, num_warps=2), 8, 1.0)])
+    assert len(read_records(good).trials) == 2
+
+
+def test_malformed_trial_is_located(mamba2, tmp_path):
+    path = write(tmp_path, mamba2, SMALL, [trial(mamba2, SMALL, BD, KernelConfig(block_v=8), 8, 1.0)] * 1)
+    raw = json.loads(path.read_text())
+    raw["trials"][0]["status"] = "great"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(TuningRecordError, match=r"trial 0 is malformed \(ValueError"):
+        read_records(path)
+    path.write_text(json.dumps({"format": 99}))
+    with pytest.raises(TuningRecordError, match="not a tuning record of format 1"):
+        read_records(path)
+
+
+# --- build with records ------------------------------------------------------------------------
+
+
+def table(module_path: Path, kind: KernelKind) -> list:
+    ns: dict = {}
+    source = module_path.read_text()
+    start = source.index(f"_{kind.value.upper()}_CONFIGS = (")
+    exec(source[start : source.index("\n)\n", start) + 3], ns)
+    return list(ns[f"_{kind.value.upper()}_CONFIGS"])
+
+
+def test_dispatch_table_buckets_and_merges():
+    a, b = KernelConfig(block_v=8), KernelConfig(block_v=16)
+    assert dispatch_table({1: a, 8: b, 32: b, 128: a}) == (
+        rec.BucketConfig(1, a), rec.BucketConfig(32, b), rec.BucketConfig(None, a)
+    )
+    assert dispatch_table({8: a}) == (rec.BucketConfig(None, a),)
+
+
+def test_build_without_records_stops_unless_allowed(mamba2, tmp_path, capsys):
+    shape = mamba2.shape("nemotron-h")
+    with pytest.raises(TuningRecordError, match="--allow-default"):
+        build_spec(mamba2, (shape,), "h100", tmp_path / "gen", tune_dir=tmp_path / "tune")
+    assert not (tmp_path / "gen").exists()
+    built = build_spec(mamba2, (shape,), "h100", tmp_path / "gen", tune_dir=tmp_path / "tune", allow_default=True)
+    assert built[0].plan.config_source == "defaults" and "documented defaults" in built[0].notes[0]
+    spec_file = str(ROOT / "specs" / "mamba2.yaml")
+    assert main(["build", spec_file, "--shape", "nemotron-h", "--out", str(tmp_path / "gen"), "--tune-dir", str(tmp_path / "tune")]) == 2
+    assert "no tuning records for mamba2/nemotron-h on h100" in capsys.readouterr().err
+
+
+def test_build_bakes_winners_per_bucket(mamba2, tmp_path, capsys):
+    shape = mamba2.shape("nemotron-h")
+    fast1 = KernelConfig(block_v=8, num_warps=2, flush_at=1)
+    fast8 = KernelConfig(block_v=32, num_warps=4, flush_at=16, route=Route.STATE_AND_OUTPUT)
+    wrong = KernelConfig(block_v=64, num_warps=8, flush_at=16)
+    base = KernelConfig(block_v=16, num_warps=8)
+    trials = [
+        trial(mamba2, shape, RD, fast1, 1, 0.010),
+        trial(mamba2, shape, RD, fast8, 1, 0.020),
+        trial(mamba2, shape, RD, fast8, 8, 0.030),
+        trial(mamba2, shape, RD, fast1, 8, 0.050),
+        trial(mamba2, shape, RD, wrong, 8, 0.001, status=TrialStatus.WRONG),
+        trial(mamba2, shape, RD, fast8, 512, 0.300),
+        trial(mamba2, shape, BD, base, 512, 0.500),
+    ]
+    path = write(tmp_path / "tune", mamba2, shape, trials)
+    out = tmp_path / "gen"
+    spec_file = str(ROOT / "specs" / "mamba2.yaml")
+    assert main(["build", spec_file, "--shape", "nemotron-h", "--out", str(out), "--tune-dir", str(tmp_path / "tune")]) == 0
+    text = capsys.readouterr().out
+    assert "configs from tune/h100/mamba2_nemotron_h.json; defaults for baseline_verify, commit, load, materialize, replay_verify" in text
+    assert "replay_decode: tuned (b1: 0.0100 ms, b8: 0.0300 ms, b512: 0.3000 ms)" in text
+    assert "replay_verify: not tuned in" in text
+    module = out / "h100" / "mamba2_nemotron_h.py"
+    assert table(module, RD) == [(1, fast1.as_dict()), (None, fast8.as_dict())]  # b8 and b512 share one winner
+    assert table(module, BD) == [(None, base.as_dict())]
+    assert table(module, KernelKind.COMMIT) == [(None, {"block_v": 64, "num_warps": 1, "num_stages": 1, "route": "output_only", "flush_at": 0})]
+    assert path.name in module.read_text()
+
+
+def test_mismatched_records_are_never_applied_silently(mamba2, tmp_path, monkeypatch):
+    shape = mamba2.shape("nemotron-h")
+    config = KernelConfig(block_v=32, num_warps=8, flush_at=8)
+    tune_dir = tmp_path / "tune"
+    write(tune_dir, mamba2, shape, [trial(mamba2, shape, RD, config, 8, 0.1, environment=env(triton="0.0.1"))])
+    with pytest.raises(TuningRecordError, match=r"triton version differs \(tuned with triton 0.0.1"):
+        resolve_configs(mamba2, shape, "h100", tune_dir)
+    soft = resolve_configs(mamba2, shape, "h100", tune_dir, accept_env_mismatch=True)
+    assert soft.configs[RD] == (rec.BucketConfig(None, config),)
+    assert any("applied although triton version differs" in n for n in soft.notes)
+    defaulted = resolve_configs(mamba2, shape, "h100", tune_dir, allow_default=True)
+    assert defaulted.configs[RD][-1].config.flush_at == 0 and any("replay_decode: documented defaults (--allow-default)" in n for n in defaulted.notes)
+
+    shutil.rmtree(tune_dir)
+    write(tune_dir, mamba2, shape, [trial(mamba2, shape, RD, config, 8, 0.1, environment=env(gpu="a100", device_name="NVIDIA A100-SXM4-80GB"))])
+    with pytest.raises(TuningRecordError, match=r"GPU differs \(tuned for 'a100'"):
+        resolve_configs(mamba2, shape, "h100", tune_dir, accept_env_mismatch=True)
+
+    shutil.rmtree(tune_dir)
+    write(tune_dir, mamba2, shape, [trial(mamba2, shape, RD, config, 8, 0.1)])
+    edited = load_spec_text((ROOT / "specs" / "mamba2.yaml").read_text().replace("description:", "description: (edited)"), "mamba2.yaml")
+    with pytest.raises(TuningRecordError, match="spec changed since tuning"):
+        resolve_configs(edited, shape, "h100", tune_dir)
+
+    shutil.rmtree(tune_dir)
+    stale = replace(trial(mamba2, shape, RD, config, 8, 0.1), key=replace(render_candidate(mamba2, shape, RD, config).key, source_sha256="0" * 64))
+    write(tune_dir, mamba2, shape, [stale])
+    with pytest.raises(TuningRecordError, match="generated source differs"):
+        resolve_configs(mamba2, shape, "h100", tune_dir)
+
+    variant = tmp_path / "templates"
+    shutil.copytree(ROOT / "templates", variant)
+    (variant / "module.py.j2").write_text((variant / "module.py.j2").read_text() + "# variant\n")
+    monkeypatch.setenv("REPLAYGEN_TEMPLATES", str(variant))
+    with pytest.raises(TuningRecordError, match="templates changed since tuning"):
+        resolve_configs(mamba2, shape, "h100", tune_dir)
+
+
+def test_build_of_a_corrupt_record_names_it(mamba2, tmp_path):
+    shape = mamba2.shape("nemotron-h")
+    path = write(tmp_path / "tune", mamba2, shape, [trial(mamba2, shape, BD, KernelConfig(block_v=8), 8, 0.1)])
+    path.write_text("{")
+    with pytest.raises(TuningRecordError, match=str(path)):
+        build_spec(mamba2, (shape,), "h100", tmp_path / "gen", tune_dir=tmp_path / "tune", allow_default=True)
+
+
+# --- the search loop ---------------------------------------------------------------------------
+
+
+def fake_ms(config: KernelConfig) -> float:
+    """A smooth landscape: best at block_v=32, 4 warps, 1 stage, flush_at=L, output_only."""
+    ms = 1.0 + 0.1 * abs(config.block_v.bit_length() - 6) + 0.05 * abs(config.num_warps.bit_length() - 3) + 0.01 * (config.num_stages - 1)
+    ms += 0.02 * (16 - config.flush_at) if config.flush_at else 0.0
+    return ms + (0.03 if config.route is Route.STATE_AND_OUTPUT else 0.0)
+
+
+WRONG = KernelConfig(block_v=32, num_warps=4, num_stages=1)  # would be the fastest baseline
+RAISES = KernelConfig(block_v=64, num_warps=4, num_stages=1)
+
+
+class FakeGPU:
+    """Fake checker and timer: WRONG disagrees with the reference, RAISES fails to compile."""
+
+    def __init__(self):
+        self.timed = []
+        self.checked = []
+
+    def checker(self, module, candidate):
+        self.checked.append(candidate.config)
+        if candidate.config == RAISES:
+            raise RuntimeError("compile error: out of registers\n  at line 3")
+        return CheckResult(candidate.config != WRONG, "replay_decode max rel err 1e+00 FAIL")
+
+    def timer(self, module, candidate, batch):
+        self.timed.append((candidate.config, batch))
+        ms = fake_ms(candidate.config) * batch
+        return TrialTiming(ms, ms, ms, 20)
+
+    def evaluator(self, shape=None):
+        return Evaluator(checker=self.checker, timer=self.timer, loader=lambda candidate: types.SimpleNamespace())
+
+
+def run(mamba2, tmp_path, kinds, batches, *, trials=12, mode=Mode.OPTUNA, fixed=(), fake=None, seed=0):
+    shape = mamba2.shape("nemotron-h")
+    fake = fake or FakeGPU()
+    store = RecordStore(record_path(tmp_path, "h100", mamba2, shape), spec="mamba2", shape=shape.name, gpu="h100")
+    settings = TuneSettings(trials=trials, mode=mode, journal=tmp_path / "h100" / "optuna.journal", seed=seed)
+    results = tune(
+        plan_tasks(mamba2, (shape,), kinds, batches, fixed),
+        evaluator_for=fake.evaluator,
+        store_for=lambda s: store,
+        environment=env(),
+        settings=settings,
+        progress=Progress(),
+    )
+    return results, store, fake
+
+
+def test_optuna_search_records_every_trial_and_failures_never_win(mamba2, tmp_path):
+    results, store, fake = run(mamba2, tmp_path, (BD,), (8,), trials=100)
+    (result,) = results
+    assert result.mode is Mode.OPTUNA and result.study.startswith("replaygen:mamba2:nemotron-h:baseline_decode:b8:h100:")
+    assert result.measured == 15 and result.trials < 100  # stopped once all 15 candidates were seen
+    assert result.measured == len(store.trials) == len(fake.timed) + sum(t.status is not TrialStatus.OK for t in store.trials)
+    assert result.default.config == derive_space(BD, mamba2.shape("nemotron-h"), 8).default  # enqueued first
+    by_config = {t.config: t for t in store.trials}
+    assert store.trials[0].config == result.default.config
+    assert by_config[WRONG].status is TrialStatus.WRONG and by_config[WRONG].timing is None and "FAIL" in by_config[WRONG].error
+    assert by_config[RAISES].status is TrialStatus.FAILED and by_config[RAISES].error.startswith("RuntimeError: compile error: out of registers at line 3")
+    assert result.best.config not in (WRONG, RAISES) and result.best.status is TrialStatus.OK
+    assert result.best.value == min(t.value for t in store.trials)
+    on_disk = read_records(store.path)
+    assert on_disk.trials == store.trials  # written as they ended
+
+
+def test_resume_continues_the_study(mamba2, tmp_path):
+    first, store, _ = run(mamba2, tmp_path, (RD,), (32,), trials=6)
+    assert first[0].trials == 6
+    again, store, fake = run(mamba2, tmp_path, (RD,), (32,), trials=10)
+    assert again[0].study == first[0].study
+    assert again[0].trials == 10 and again[0].measured <= 4 and len(fake.timed) <= 4
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(tmp_path / "h100" / "optuna.journal")))
+    study = optuna.load_study(study_name=first[0].study, storage=storage)
+    assert len(study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))) == 10
+    assert len(read_records(store.path).trials) == len({(t.config, t.batch) for t in store.trials})
+    assert again[0].best.value <= first[0].best.value
+    changed_space, _, _ = run(mamba2, tmp_path, (RD,), (32,), trials=2, fixed=(("route", "output_only"),))
+    assert changed_space[0].study != first[0].study  # a changed space starts a fresh study
+
+
+def test_exhaustive_mode_and_optuna_on_an_enumerable_space(mamba2, tmp_path):
+    fixed = (("flush_at", "16"), ("route", "output_only"))
+    exhaustive, store, _ = run(mamba2, tmp_path / "ex", (RD,), (128,), mode=Mode.EXHAUSTIVE, fixed=fixed)
+    space = derive_space(RD, mamba2.shape("nemotron-h"), 128).fix("flush_at", "16").fix("route", "output_only")
+    (ex,) = exhaustive
+    assert ex.trials == ex.measured == len(space.candidates()) == 45 and ex.pruned == 3
+    assert ex.best.config == KernelConfig(block_v=32, num_warps=4, num_stages=1, flush_at=16)
+    assert ex.best.value == min(fake_ms(c) * 128 for c in space.candidates())
+    assert {t.study for t in store.trials} == {"exhaustive"}
+    optuna_results, _, _ = run(mamba2, tmp_path / "opt", (RD,), (128,), trials=15, fixed=fixed)
+    (opt,) = optuna_results
+    assert opt.trials == 15 and opt.measured <= 15 and opt.best.value >= ex.best.value
+    rows = summary_rows([ex, opt])
+    assert [r.mode for r in rows] == ["exhaustive", "optuna"] and rows[0].trials == 45
+
+
+def test_a_tiny_space_ends_when_exhausted(mamba2, tmp_path):
+    fixed = (("block_v", "16"),)
+    results, store, fake = run(mamba2, tmp_path, (BD,), (1,), trials=50, fixed=fixed)
+    assert results[0].measured == len(derive_space(BD, mamba2.shape("nemotron-h"), 1).fix("block_v", "16").candidates()) == 4
+    assert len(fake.timed) == 4 and results[0].trials < 50  # repeated proposals reuse the recorded trial
+
+
+def test_summary_speedups(mamba2, tmp_path):
+    results, _, _ = run(mamba2, tmp_path, (BD, RD), (8,), trials=8)
+    base, replay = summary_rows(results)
+    assert base.vs_baseline is None and replay.vs_baseline == pytest.approx(results[0].best.value / results[1].best.value)
+    assert replay.vs_default == pytest.approx(results[1].default.value / results[1].best.value) and replay.vs_default >= 1
+    text = format_summary([base, replay])
+    assert "vs baseline" in text and f"{replay.vs_baseline:.3f}x" in text
+
+
+# --- the evaluator -----------------------------------------------------------------------------
+
+
+def test_evaluator_statuses(mamba2):
+    candidate = render_candidate(mamba2, SMALL, RD, KernelConfig(block_v=8, flush_at=2))
+    calls = []
+
+    def checker(module, c):
+        calls.append(c)
+        return CheckResult(True, "")
+
+    def oom(module, c, batch):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    evaluator = Evaluator(checker=checker, timer=lambda m, c, b: TrialTiming(1.0, 1.0, 1.0, 3), loader=lambda c: None)
+    assert evaluator.evaluate(candidate, 1).status is TrialStatus.OK
+    assert evaluator.evaluate(candidate, 8).status is TrialStatus.OK and len(calls) == 1  # checked once per module
+    assert Evaluator(checker=checker, timer=oom, loader=lambda c: None).evaluate(candidate, 1).status is TrialStatus.OUT_OF_RESOURCES
+    from triton.runtime.errors import OutOfResources
+
+    def shared(module, c, batch):
+        raise OutOfResources(300000, 232448, "shared memory")
+
+    assert Evaluator(checker=checker, timer=shared, loader=lambda c: None).evaluate(candidate, 1).status is TrialStatus.OUT_OF_RESOURCES
+
+    def dead():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    broken = Evaluator(checker=checker, timer=lambda m, c, b: 1 / 0, loader=lambda c: None, health=dead)
+    with pytest.raises(TuneAborted, match="records written so far are kept"):
+        broken.evaluate(candidate, 1)
+
+
+def test_reference_checker_on_a_real_candidate(mamba2):
+    shape = replace(SMALL, capacity=4, window=2)
+    checker = ReferenceChecker(mamba2, shape, "cpu", torch.float32)
+    evaluator = Evaluator(checker=checker, timer=lambda m, c, b: TrialTiming(1.0, 1.0, 1.0, 3))
+    for kind, config in ((RD, KernelConfig(block_v=8, num_warps=2, flush_at=3, route=Route.STATE_AND_OUTPUT)), (RV, KernelConfig(block_v=8))):
+        outcome = evaluator.evaluate(render_candidate(mamba2, shape, kind, config), 4)
+        assert outcome.status is TrialStatus.OK, outcome.error
+
+
+def test_reference_checker_catches_a_wrong_kernel(mamba2):
+    """A replay kernel that appends to the wrong ring position is recorded WRONG and never timed."""
+    shape = replace(SMALL, capacity=4, window=2)
+    candidate = render_candidate(mamba2, shape, RD, KernelConfig(block_v=8, flush_at=4))
+    correct = "r_new = (start + count) % RING"
+    assert correct in candidate.source
+    broken = replace(candidate, source=candidate.source.replace(correct, "r_new = (start + count + 1) % RING"))
+    timed = []
+    evaluator = Evaluator(checker=ReferenceChecker(mamba2, shape, "cpu", torch.float32), timer=lambda m, c, b: timed.append(c) or TrialTiming(1.0, 1.0, 1.0, 3))
+    outcome = evaluator.evaluate(broken, 4)
+    assert outcome.status is TrialStatus.WRONG and "replay_decode" in outcome.error and not timed
+
+
+def test_workload_timer_times_the_candidate_as_bench_does(mamba2, monkeypatch):
+    calls = []
+    t = Timing(median_ms=1.0, p20_ms=0.9, p80_ms=1.1, samples=5)
+    monkeypatch.setattr(measure, "l2_bytes", lambda device: 1 << 12)
+    monkeypatch.setattr(measure.DecodeWorkload, "time_baseline", lambda self, steps, repeats=20: calls.append((self.module, "base", steps)) or t)
+    monkeypatch.setattr(measure.DecodeWorkload, "time_replay", lambda self, route, flush_at, repeats=20: calls.append((self.module, route, flush_at)) or t)
+    monkeypatch.setattr(measure.VerifyWorkload, "time_replay", lambda self, accept, steps, repeats=20: calls.append((self.module, "verify", accept, steps)) or t)
+    shape = replace(SMALL, capacity=8, window=2)
+    timer = WorkloadTimer(mamba2, shape, "cpu", torch.float32, repeats=5, with_verify_baseline=False)
+    real = load_kernels(mamba2, shape)  # two candidates' modules: the workloads allocate with the first, then swap
+    module_a, module_b = types.ModuleType("a"), types.ModuleType("b")
+    for module in (module_a, module_b):
+        module.__dict__.update({n: getattr(real, n) for n in ("allocate", "allocate_baseline", "allocate_snapshots")})
+    replay = render_candidate(mamba2, shape, RD, KernelConfig(block_v=8, flush_at=5, route=Route.STATE_AND_OUTPUT))
+    assert timer(module_a, replay, 2) == TrialTiming(1.0, 0.9, 1.1, 5)
+    timer(module_b, render_candidate(mamba2, shape, BD, KernelConfig(block_v=8)), 2)
+    timer(module_a, render_candidate(mamba2, shape, RV, KernelConfig(block_v=8)), 2)
+    assert calls == [(module_a, "state_and_output", 5), (module_b, "base", 8), (module_a, "verify", "all", 3)]  # one flush cycle: h = 2, 4, 6
+
+
+# --- command line ------------------------------------------------------------------------------
+
+
+def test_tune_needs_a_gpu(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert main(["tune", str(ROOT / "specs" / "mamba2.yaml"), "--shape", "nemotron-h"]) == 2
+    assert "tune needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_gpu_names():
+    assert gpu_name_of("NVIDIA H100 80GB HBM3") == "h100"
+    assert gpu_name_of("NVIDIA A100-SXM4-80GB") == "a100"
+    assert gpu_name_of("NVIDIA H200") == "h200"
+    with pytest.raises(Exception, match="--gpu"):
+        gpu_name_of("NVIDIA GeForce RTX 4090")
