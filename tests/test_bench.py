@@ -1,38 +1,68 @@
-"""The bench pipeline end to end on the CPU with a fake timer: rows, traffic model, JSON."""
+"""The bench pipeline end to end on the CPU with a fake timer: rows, traffic model, capacity sweep, FLA column, JSON."""
 
 import json
+import sys
+import types
 from dataclasses import replace
 
+import pytest
 import torch
 
 from replaygen import bench, measure
+from replaygen.errors import ReplaygenError
 from replaygen.measure import Timing
+from replaygen.spec import load_spec
+from replaygen.spec.model import DType
+from replaygen.traffic import baseline_decode_bytes, replay_decode_bytes
 
-from conftest import SMALL
+from conftest import ROOT, SMALL
+
+CPU = torch.device("cpu")
+COPY_BW = 1e9
+CAPACITY_KEYS = {
+    "shape", "capacity", "window", "batch", "kernel", "config", "timing", "bytes_per_step", "model_ms",
+    "bandwidth_fraction", "baseline_ms", "baseline_model_ms", "speedup",
+}
 
 
 def fake_timing(ms):
     return Timing(median_ms=ms, p20_ms=ms * 0.99, p80_ms=ms * 1.01, samples=20)
 
 
-def test_bench_rows_and_json(mamba2, tmp_path, monkeypatch):
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """Fixed times instead of CUDA graphs; a tiny L2 so workloads stay small."""
     monkeypatch.setattr(measure.DecodeWorkload, "time_baseline", lambda self, steps, repeats=20: fake_timing(1.0))
     monkeypatch.setattr(measure.DecodeWorkload, "time_replay", lambda self, route, flush_at, repeats=20: fake_timing(0.6 if flush_at > 1 else 1.0))
     monkeypatch.setattr(measure.VerifyWorkload, "time_replay", lambda self, accept, steps, repeats=20: fake_timing(0.7))
     monkeypatch.setattr(measure.VerifyWorkload, "time_baseline", lambda self, accept, steps, repeats=20: fake_timing(2.5))
-    monkeypatch.setattr(bench, "copy_bandwidth", lambda device: 1e9)
+    monkeypatch.setattr(bench.FlaWorkload, "time", lambda self, steps, repeats=20: fake_timing(0.8))
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda device: COPY_BW)
     monkeypatch.setattr(bench, "environment", lambda device: {"gpu": "fake"})
     monkeypatch.setattr(measure, "l2_bytes", lambda device: 1 << 16)
+
+
+@pytest.fixture(scope="module")
+def gdn():
+    return load_spec(ROOT / "specs" / "gdn.yaml")
+
+
+def test_bench_rows_and_json(mamba2, tmp_path, fake_gpu):
     shape = replace(SMALL, window=2, capacity=8)
-    result = bench.run(mamba2, (shape,), [2], torch.float32, tmp_path, sweep=False, windows=[2], device=torch.device("cpu"))
+    result = bench.run(mamba2, (shape,), [2], torch.float32, tmp_path, sweep=False, windows=[2], device=CPU)
     saved = json.loads((tmp_path / "bench_mamba2_small.json").read_text())
     assert saved == json.loads(json.dumps(result))
-    assert {"spec", "environment", "copy_bandwidth_bytes_per_s", "decode", "verify", "memory"} <= set(saved)
+    assert set(saved) == {"spec", "spec_sha256", "activation_dtype", "environment", "copy_bandwidth_bytes_per_s", "decode", "capacity_sweep", "verify", "memory", "fla"}
+    assert saved["fla"] == "not applicable: update kind additive"
+    assert saved["capacity_sweep"] == []  # no --L
     kernels = {(r["kernel"], r["flush_at"]) for r in saved["decode"]}
     assert kernels == {("baseline", 1), ("replay/output_only", 8), ("replay/state_and_output", 8), ("replay/output_only", 1)}
     replay = next(r for r in saved["decode"] if r["kernel"] == "replay/output_only" and r["flush_at"] == 8)
     assert replay["speedup"] == 1.0 / 0.6
-    assert replay["bandwidth_fraction"] == replay["bytes_per_step"] / (0.6e-3) / 1e9
+    assert replay["bandwidth_fraction"] == replay["bytes_per_step"] / (0.6e-3) / COPY_BW
+    for row in saved["decode"] + saved["verify"]:
+        assert row["model_ms"] == pytest.approx(row["bytes_per_step"] / COPY_BW * 1e3)
+        assert row["bandwidth_fraction"] == pytest.approx(row["model_ms"] / row["timing"]["median_ms"])
     verify = {(r["kernel"], r["accept"]): r for r in saved["verify"]}
     assert verify[("replay_verify", "all")]["vs_decode"] == 0.7
     assert verify[("replay_verify", "all")]["vs_baseline_verify"] == 0.7 / 2.5
@@ -40,3 +70,120 @@ def test_bench_rows_and_json(mamba2, tmp_path, monkeypatch):
     assert memory["snapshot_bytes_per_slot"] == 2 * 4 * 8 * 16 * 4  # T=2 snapshots of the fp32 state
     assert memory["max_sequences_snapshot"] == memory["budget_bytes"] // memory["snapshot_bytes_per_slot"]
     assert memory["max_sequences_replay"] == memory["budget_bytes"] // memory["replay_bytes_per_slot"]
+
+
+def test_capacity_sweep(mamba2, monkeypatch, fake_gpu):
+    """Rows per (L, batch), the window clamped to L/2, the traffic model at each L, baselines reused or timed."""
+    shape = replace(SMALL, window=3, capacity=8)
+    calls = []
+
+    def time_replay(self, route, flush_at, repeats=20):
+        calls.append((self.shape.capacity, self.shape.window, route, flush_at))
+        return fake_timing(0.6)
+
+    monkeypatch.setattr(measure.DecodeWorkload, "time_replay", time_replay)
+    rows = bench.bench_capacity(mamba2, shape, [4, 8], [2, 3], torch.float32, CPU, COPY_BW, baseline_ms={2: 0.9})
+    assert [(r.capacity, r.window, r.batch) for r in rows] == [(4, 2, 2), (4, 2, 3), (8, 3, 2), (8, 3, 3)]
+    assert set(calls) == {(4, 2, "output_only", 4), (8, 3, "output_only", 8)}
+    act = DType.FLOAT32
+    for r in rows:
+        assert set(vars(r)) == CAPACITY_KEYS
+        expected = replay_decode_bytes(mamba2, replace(shape, capacity=r.capacity, window=r.window), act, r.capacity).total * r.batch
+        assert r.bytes_per_step == expected
+        assert r.model_ms == expected / COPY_BW * 1e3
+        assert r.baseline_model_ms == baseline_decode_bytes(mamba2, shape, act).total * r.batch / COPY_BW * 1e3
+        assert r.baseline_ms == (0.9 if r.batch == 2 else 1.0)  # batch 3 has no decode row: timed by the sweep
+        assert r.speedup == r.baseline_ms / 0.6
+    assert "model ms" in bench.format_capacity_rows(rows)
+
+
+def test_plots_need_an_output_folder(mamba2):
+    with pytest.raises(ReplaygenError, match="--out"):
+        bench.run(mamba2, (SMALL,), [1], torch.float32, None, sweep=False, windows=[], device=CPU, plots=True)
+
+
+def fake_fla_module(monkeypatch, l2norm=True):
+    """A stand-in `fla` package whose fused_recurrent_gated_delta_rule runs the recurrence in torch with FLA's API:
+    q, k [B, T, H, K], v [B, T, HV, V], g, beta [B, T, HV], initial_state [N, HV, K, V]; returns o [B, T, HV, V], ht."""
+
+    def fused_recurrent_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False):
+        batch, tokens, heads, key_dim = k.shape
+        value_heads, value_dim = v.shape[2:]
+        assert initial_state.shape == (batch, value_heads, key_dim, value_dim) and initial_state.is_contiguous()
+        ratio = value_heads // heads
+        state = initial_state.float().clone()
+        outputs = []
+        for t in range(tokens):
+            qt, kt = (x[:, t].float().repeat_interleave(ratio, dim=1) for x in (q, k))
+            if use_qk_l2norm_in_kernel and l2norm:
+                qt, kt = (x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (qt, kt))
+            state = state * torch.exp(g[:, t].float())[..., None, None]
+            u = beta[:, t, :, None] * (v[:, t].float() - torch.einsum("nhkv,nhk->nhv", state, kt))
+            state = state + kt[..., None] * u[..., None, :]
+            outputs.append(torch.einsum("nhkv,nhk->nhv", state, qt * scale))
+        return torch.stack(outputs, 1).to(v.dtype), state if output_final_state else None
+
+    root, ops, gdr = (types.ModuleType(name) for name in ("fla", "fla.ops", "fla.ops.gated_delta_rule"))
+    root.__version__ = "0.0-fake"
+    root.ops, ops.gated_delta_rule = ops, gdr
+    gdr.fused_recurrent_gated_delta_rule = fused_recurrent_gated_delta_rule
+    for module in (root, ops, gdr):
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+
+
+def fake_decode_rows(spec, shape, batches, act_dtype, device, copy_bw, sweep=False):
+    """bench_decode's baseline rows without timing anything (the FLA tests need only the baseline times)."""
+    return [bench.decode_row(shape, b, "baseline", 1, {"block_v": 8, "num_warps": 4}, fake_timing(1.0), 1.0, copy_bw, 1.0) for b in batches]
+
+
+def test_fla_absent(gdn, monkeypatch, capsys, fake_gpu):
+    monkeypatch.setitem(sys.modules, "fla", None)
+    monkeypatch.setattr(bench, "bench_decode", fake_decode_rows)
+    result = bench.run(gdn, (SMALL,), [2], torch.float32, None, sweep=False, windows=[], device=CPU)
+    assert result["fla"] == "absent"
+    assert bench.FLA_ABSENT in capsys.readouterr().out
+    assert {r["kernel"] for r in result["decode"]} == {"baseline"}
+
+
+def test_fla_column_matches_and_is_timed(gdn, monkeypatch, capsys, tmp_path, fake_gpu):
+    fake_fla_module(monkeypatch)
+    monkeypatch.setattr(bench, "bench_decode", fake_decode_rows)
+    result = bench.run(gdn, (SMALL,), [2, 3], torch.float32, tmp_path, sweep=False, windows=[], device=CPU)
+    fla = json.loads((tmp_path / "bench_gdn_small.json").read_text())["fla"]
+    assert fla["version"] == "0.0-fake" and fla["tolerance"] == bench.FLA_TOLERANCE[torch.float32]
+    assert [c["batch"] for c in fla["checks"]] == [2, 3]
+    assert all(c["ok"] and c["output_rel_error"] < 1e-5 and c["state_rel_error"] < 1e-5 for c in fla["checks"])
+    rows = [r for r in result["decode"] if r["kernel"] == "fla"]
+    assert [r["batch"] for r in rows] == [2, 3]
+    for r in rows:
+        assert r["bytes_per_step"] == baseline_decode_bytes(gdn, SMALL, DType.FLOAT32).total * r["batch"]
+        assert r["speedup"] == 1.0 / 0.8 and r["flush_at"] == 1 and r["config"] == {}
+    assert "fla" in capsys.readouterr().out
+
+
+def test_fla_mismatch_is_not_timed(gdn, monkeypatch, capsys, fake_gpu):
+    """A peer computing something else (here: no l2norm of q and k) is reported, not timed."""
+    fake_fla_module(monkeypatch, l2norm=False)
+    peer = bench.find_fla(gdn)
+    rows, checks = bench.bench_fla(peer, gdn, SMALL, [2], torch.float32, CPU, COPY_BW, {2: 1.0})
+    assert rows == [] and not checks[0].ok and checks[0].output_rel_error > 1e-2
+    assert "FLA disagrees with our baseline decode at batch 2" in capsys.readouterr().out
+
+
+def test_fla_that_raises_is_not_timed(gdn, monkeypatch, capsys, fake_gpu):
+    """An FLA release with another API fails its check instead of stopping the bench."""
+    fake_fla_module(monkeypatch)
+
+    def old_api(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False):
+        raise AssertionError("unreachable")
+
+    monkeypatch.setattr(sys.modules["fla.ops.gated_delta_rule"], "fused_recurrent_gated_delta_rule", old_api)
+    rows, checks = bench.bench_fla(bench.find_fla(gdn), gdn, SMALL, [2], torch.float32, CPU, COPY_BW, {2: 1.0})
+    assert rows == [] and not checks[0].ok and checks[0].error.startswith("TypeError")
+    assert "FLA failed on our inputs at batch 2 (TypeError" in capsys.readouterr().out
+
+
+def test_fla_not_applicable_to_additive_specs(mamba2, monkeypatch):
+    fake_fla_module(monkeypatch)
+    assert bench.find_fla(mamba2) == "not applicable: update kind additive"
+

@@ -34,6 +34,7 @@ from replaygen.tune.study import Mode, Progress, TuneSettings, plan_tasks, tune
 from conftest import ROOT, SMALL
 
 BD, RD, RV, BV = KernelKind.BASELINE_DECODE, KernelKind.REPLAY_DECODE, KernelKind.REPLAY_VERIFY, KernelKind.BASELINE_VERIFY
+SHAPE = replace(SMALL, value_dim=16)  # block_v=16 fits every kernel kind
 
 
 def env(**changes):
@@ -104,11 +105,11 @@ def test_pruning_rules(mamba2):
 
 
 def test_default_is_never_pruned():
-    tiny = replace(SMALL, value_dim=4, key_dim=8)  # default block_v=8, 4 warps: 64 elements < 128 threads
-    space = derive_space(BD, tiny, batch=8)
-    rule_would = KernelConfig(block_v=8, num_warps=8)
+    space = derive_space(BD, SMALL, batch=8)
+    rule_would = KernelConfig(block_v=8, num_warps=8)  # 128 tile elements, 256 threads
     assert space.prune_reason(rule_would) is PruneRule.IDLE_THREADS
-    assert space.prune_reason(space.default) is None and space.candidates()[0] == space.default
+    space = replace(space, default=rule_would)  # as on a shape whose documented default breaks a rule
+    assert space.prune_reason(rule_would) is None and space.candidates()[0] == rule_would
 
 
 def test_fix_and_space_key(mamba2):
@@ -146,33 +147,33 @@ def changed(a, b):
 
 
 def test_each_key_input_changes_its_part_only(mamba2, monkeypatch, tmp_path):
-    config = KernelConfig(block_v=8, num_warps=2, flush_at=3)
-    base = key_parts(render_candidate(mamba2, SMALL, RD, config))
+    config = KernelConfig(block_v=16, num_warps=2, flush_at=3)
+    base = key_parts(render_candidate(mamba2, SHAPE, RD, config))
     base_env = env().fingerprint()
     # spec
     other_spec = load_spec_text((ROOT / "specs" / "mamba2.yaml").read_text().replace("description:", "description: (edited)"), "mamba2.yaml")
-    assert changed(base, key_parts(render_candidate(other_spec, SMALL, RD, config))) == {"source", "spec"}
+    assert changed(base, key_parts(render_candidate(other_spec, SHAPE, RD, config))) == {"source", "spec"}
     # shape
-    assert changed(base, key_parts(render_candidate(mamba2, replace(SMALL, capacity=5), RD, config))) == {"source", "shape"}
+    assert changed(base, key_parts(render_candidate(mamba2, replace(SHAPE, capacity=5), RD, config))) == {"source", "shape"}
     # GPU name and triton version: the environment only
     assert env(gpu="a100").fingerprint() != base_env and env(triton="0.0.1").fingerprint() != base_env
     assert env(device_name="x").fingerprint() != base_env and env(compute_capability="8.0").fingerprint() != base_env
-    assert key_parts(render_candidate(mamba2, SMALL, RD, config)) == base  # no environment input at all
+    assert key_parts(render_candidate(mamba2, SHAPE, RD, config)) == base  # no environment input at all
     # the config itself
-    assert changed(base, key_parts(render_candidate(mamba2, SMALL, RD, replace(config, num_warps=4)))) == {"source"}
+    assert changed(base, key_parts(render_candidate(mamba2, SHAPE, RD, replace(config, num_warps=4)))) == {"source"}
     # template (last: it switches the template folder)
     variant = tmp_path / "templates"
     shutil.copytree(ROOT / "templates", variant)
     module = variant / "module.py.j2"
     module.write_text(module.read_text().replace("import torch\n", "import torch  # variant\n", 1))
     monkeypatch.setenv("REPLAYGEN_TEMPLATES", str(variant))
-    assert changed(base, key_parts(render_candidate(mamba2, SMALL, RD, config))) == {"source", "template"}
+    assert changed(base, key_parts(render_candidate(mamba2, SHAPE, RD, config))) == {"source", "template"}
 
 
 def test_candidate_runs_the_config_everywhere_and_defaults_elsewhere(mamba2):
-    config = KernelConfig(block_v=8, num_warps=2, flush_at=3)
-    source = render_candidate(mamba2, SMALL, RD, config).source
-    assert "_REPLAY_DECODE_CONFIGS = (\n    (None, {'block_v': 8, 'num_warps': 2, 'num_stages': 1, 'route': 'output_only', 'flush_at': 3})," in source
+    config = KernelConfig(block_v=16, num_warps=2, flush_at=3)
+    source = render_candidate(mamba2, SHAPE, RD, config).source
+    assert "_REPLAY_DECODE_CONFIGS = (\n    (None, {'block_v': 16, 'num_warps': 2, 'num_stages': 1, 'route': 'output_only', 'flush_at': 3})," in source
     assert '"gpu": "any"' in source
 
 
@@ -180,10 +181,10 @@ def test_candidate_runs_the_config_everywhere_and_defaults_elsewhere(mamba2):
 
 
 def test_append_merges_and_round_trips(mamba2, tmp_path):
-    a = trial(mamba2, SMALL, RD, KernelConfig(block_v=8, flush_at=2), 8, 1.0)
-    b = trial(mamba2, SMALL, BD, KernelConfig(block_v=8), 8, 2.0, status=TrialStatus.OUT_OF_RESOURCES)
-    path = write(tmp_path, mamba2, SMALL, [a])
-    write(tmp_path, mamba2, SMALL, [a, b])  # a again: kept once
+    a = trial(mamba2, SHAPE, RD, KernelConfig(block_v=16, flush_at=2), 8, 1.0)
+    b = trial(mamba2, SHAPE, BD, KernelConfig(block_v=8), 8, 2.0, status=TrialStatus.OUT_OF_RESOURCES)
+    path = write(tmp_path, mamba2, SHAPE, [a])
+    write(tmp_path, mamba2, SHAPE, [a, b])  # a again: kept once
     loaded = read_records(path)
     assert loaded.trials == (a, b)
     assert (loaded.spec, loaded.shape, loaded.gpu) == ("mamba2", "small", "h100")
@@ -192,7 +193,7 @@ def test_append_merges_and_round_trips(mamba2, tmp_path):
 
 
 def test_interrupted_write_keeps_the_old_file(mamba2, tmp_path, monkeypatch):
-    path = write(tmp_path, mamba2, SMALL, [trial(mamba2, SMALL, BD, KernelConfig(block_v=8), 8, 1.0)])
+    path = write(tmp_path, mamba2, SHAPE, [trial(mamba2, SHAPE, BD, KernelConfig(block_v=8), 8, 1.0)])
     before = path.read_bytes()
 
     def crash(src, dst):
@@ -200,14 +201,14 @@ def test_interrupted_write_keeps_the_old_file(mamba2, tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "replace", crash)
     with pytest.raises(OSError, match="disk full"):
-        write(tmp_path, mamba2, SMALL, [trial(mamba2, SMALL, BD, KernelConfig(block_v=8, num_warps=2), 8, 1.0)])
+        write(tmp_path, mamba2, SHAPE, [trial(mamba2, SHAPE, BD, KernelConfig(block_v=8, num_warps=2), 8, 1.0)])
     assert path.read_bytes() == before
     assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
 
 
 def test_corrupt_file_is_named_and_nothing_else_is_lost(mamba2, tmp_path):
-    other = replace(SMALL, name="other")
-    good = write(tmp_path, mamba2, SMALL, [trial(mamba2, SMALL, BD, KernelConfig(block_v=8), 8, 1.0)])
+    other = replace(SHAPE, name="other")
+    good = write(tmp_path, mamba2, SHAPE, [trial(mamba2, SHAPE, BD, KernelConfig(block_v=8), 8, 1.0)])
     bad = write(tmp_path, mamba2, other, [trial(mamba2, other, BD, KernelConfig(block_v=8), 8, 1.0)])
     bad.write_text(bad.read_text()[:100])  # truncated
     truncated = bad.read_bytes()
@@ -218,12 +219,12 @@ def test_corrupt_file_is_named_and_nothing_else_is_lost(mamba2, tmp_path):
     with pytest.raises(TuningRecordError, match=str(bad)):
         RecordStore(bad, spec="mamba2", shape="other", gpu="h100")
     assert bad.read_bytes() == truncated
-    write(tmp_path, mamba2, SMALL, [trial(mamba2, SMALL, BD, KernelConfig(block_v=8, num_warps=2), 8, 1.0)])
+    write(tmp_path, mamba2, SHAPE, [trial(mamba2, SHAPE, BD, KernelConfig(block_v=8, num_warps=2), 8, 1.0)])
     assert len(read_records(good).trials) == 2
 
 
 def test_malformed_trial_is_located(mamba2, tmp_path):
-    path = write(tmp_path, mamba2, SMALL, [trial(mamba2, SMALL, BD, KernelConfig(block_v=8), 8, 1.0)] * 1)
+    path = write(tmp_path, mamba2, SHAPE, [trial(mamba2, SHAPE, BD, KernelConfig(block_v=8), 8, 1.0)] * 1)
     raw = json.loads(path.read_text())
     raw["trials"][0]["status"] = "great"
     path.write_text(json.dumps(raw))
@@ -267,7 +268,7 @@ def test_build_without_records_stops_unless_allowed(mamba2, tmp_path, capsys):
 
 def test_build_bakes_winners_per_bucket(mamba2, tmp_path, capsys):
     shape = mamba2.shape("nemotron-h")
-    fast1 = KernelConfig(block_v=8, num_warps=2, flush_at=1)
+    fast1 = KernelConfig(block_v=32, num_warps=2, flush_at=1)
     fast8 = KernelConfig(block_v=32, num_warps=4, flush_at=16, route=Route.STATE_AND_OUTPUT)
     wrong = KernelConfig(block_v=64, num_warps=8, flush_at=16)
     base = KernelConfig(block_v=16, num_warps=8)
@@ -430,7 +431,7 @@ def test_exhaustive_mode_and_optuna_on_an_enumerable_space(mamba2, tmp_path):
     exhaustive, store, _ = run(mamba2, tmp_path / "ex", (RD,), (128,), mode=Mode.EXHAUSTIVE, fixed=fixed)
     space = derive_space(RD, mamba2.shape("nemotron-h"), 128).fix("flush_at", "16").fix("route", "output_only")
     (ex,) = exhaustive
-    assert ex.trials == ex.measured == len(space.candidates()) == 45 and ex.pruned == 3
+    assert ex.trials == ex.measured == len(space.candidates()) == 48 - ex.pruned
     assert ex.best.config == KernelConfig(block_v=32, num_warps=4, num_stages=1, flush_at=16)
     assert ex.best.value == min(fake_ms(c) * 128 for c in space.candidates())
     assert {t.study for t in store.trials} == {"exhaustive"}
@@ -438,7 +439,7 @@ def test_exhaustive_mode_and_optuna_on_an_enumerable_space(mamba2, tmp_path):
     (opt,) = optuna_results
     assert opt.trials == 15 and opt.measured <= 15 and opt.best.value >= ex.best.value
     rows = summary_rows([ex, opt])
-    assert [r.mode for r in rows] == ["exhaustive", "optuna"] and rows[0].trials == 45
+    assert [r.mode for r in rows] == ["exhaustive", "optuna"] and rows[0].trials == ex.trials
 
 
 def test_a_tiny_space_ends_when_exhausted(mamba2, tmp_path):
@@ -461,7 +462,7 @@ def test_summary_speedups(mamba2, tmp_path):
 
 
 def test_evaluator_statuses(mamba2):
-    candidate = render_candidate(mamba2, SMALL, RD, KernelConfig(block_v=8, flush_at=2))
+    candidate = render_candidate(mamba2, SHAPE, RD, KernelConfig(block_v=16, flush_at=2))
     calls = []
 
     def checker(module, c):
@@ -491,18 +492,18 @@ def test_evaluator_statuses(mamba2):
 
 
 def test_reference_checker_on_a_real_candidate(mamba2):
-    shape = replace(SMALL, capacity=4, window=2)
+    shape = replace(SHAPE, capacity=4, window=2)
     checker = ReferenceChecker(mamba2, shape, "cpu", torch.float32)
     evaluator = Evaluator(checker=checker, timer=lambda m, c, b: TrialTiming(1.0, 1.0, 1.0, 3))
-    for kind, config in ((RD, KernelConfig(block_v=8, num_warps=2, flush_at=3, route=Route.STATE_AND_OUTPUT)), (RV, KernelConfig(block_v=8))):
+    for kind, config in ((RD, KernelConfig(block_v=16, num_warps=2, flush_at=3, route=Route.STATE_AND_OUTPUT)), (RV, KernelConfig(block_v=16))):
         outcome = evaluator.evaluate(render_candidate(mamba2, shape, kind, config), 4)
         assert outcome.status is TrialStatus.OK, outcome.error
 
 
 def test_reference_checker_catches_a_wrong_kernel(mamba2):
     """A replay kernel that appends to the wrong ring position is recorded WRONG and never timed."""
-    shape = replace(SMALL, capacity=4, window=2)
-    candidate = render_candidate(mamba2, shape, RD, KernelConfig(block_v=8, flush_at=4))
+    shape = replace(SHAPE, capacity=4, window=2)
+    candidate = render_candidate(mamba2, shape, RD, KernelConfig(block_v=16, flush_at=4))
     correct = "r_new = (start + count) % RING"
     assert correct in candidate.source
     broken = replace(candidate, source=candidate.source.replace(correct, "r_new = (start + count + 1) % RING"))
@@ -519,16 +520,16 @@ def test_workload_timer_times_the_candidate_as_bench_does(mamba2, monkeypatch):
     monkeypatch.setattr(measure.DecodeWorkload, "time_baseline", lambda self, steps, repeats=20: calls.append((self.module, "base", steps)) or t)
     monkeypatch.setattr(measure.DecodeWorkload, "time_replay", lambda self, route, flush_at, repeats=20: calls.append((self.module, route, flush_at)) or t)
     monkeypatch.setattr(measure.VerifyWorkload, "time_replay", lambda self, accept, steps, repeats=20: calls.append((self.module, "verify", accept, steps)) or t)
-    shape = replace(SMALL, capacity=8, window=2)
+    shape = replace(SHAPE, capacity=8, window=2)
     timer = WorkloadTimer(mamba2, shape, "cpu", torch.float32, repeats=5, with_verify_baseline=False)
     real = load_kernels(mamba2, shape)  # two candidates' modules: the workloads allocate with the first, then swap
     module_a, module_b = types.ModuleType("a"), types.ModuleType("b")
     for module in (module_a, module_b):
         module.__dict__.update({n: getattr(real, n) for n in ("allocate", "allocate_baseline", "allocate_snapshots")})
-    replay = render_candidate(mamba2, shape, RD, KernelConfig(block_v=8, flush_at=5, route=Route.STATE_AND_OUTPUT))
+    replay = render_candidate(mamba2, shape, RD, KernelConfig(block_v=16, flush_at=5, route=Route.STATE_AND_OUTPUT))
     assert timer(module_a, replay, 2) == TrialTiming(1.0, 0.9, 1.1, 5)
-    timer(module_b, render_candidate(mamba2, shape, BD, KernelConfig(block_v=8)), 2)
-    timer(module_a, render_candidate(mamba2, shape, RV, KernelConfig(block_v=8)), 2)
+    timer(module_b, render_candidate(mamba2, shape, BD, KernelConfig(block_v=16)), 2)
+    timer(module_a, render_candidate(mamba2, shape, RV, KernelConfig(block_v=16)), 2)
     assert calls == [(module_a, "state_and_output", 5), (module_b, "base", 8), (module_a, "verify", "all", 3)]  # one flush cycle: h = 2, 4, 6
 
 

@@ -3,7 +3,8 @@
 Derived from the shape; every parameter is a knob the kernel templates read
 (nothing else is invented):
 
-    block_v     value rows per program: powers of two from CURSOR_GRAIN to next_pow2(value_dim)
+    block_v     value rows per program: powers of two from CURSOR_GRAIN to max(16, next_pow2(value_dim))
+                (the bound of `configs.validate_config`)
     num_warps   1, 2, 4, 8
     num_stages  1, 2, 3 where the kernel has a runtime loop Triton can pipeline (replay kernels:
                 the replay over buffered entries); 1 elsewhere (straight-line code ignores it)
@@ -173,7 +174,7 @@ class SearchSpace:
 
 def derive_space(kind: KernelKind, shape: TargetShape, batch: int) -> SearchSpace:
     """The search space of `kind` for `shape` at batch size `batch`."""
-    top = max(CURSOR_GRAIN, _next_pow2(shape.value_dim))
+    top = max(16, _next_pow2(shape.value_dim))
     block_v = tuple(1 << e for e in range(CURSOR_GRAIN.bit_length() - 1, top.bit_length()))
     replay = kind is KernelKind.REPLAY_DECODE
     parameters = (
