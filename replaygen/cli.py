@@ -58,7 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation dtype (default: bf16)")
     p.add_argument("--sweep", action="store_true", help="also time a small grid of launch configs and keep the best")
     p.add_argument("--T", dest="windows", default="2,4,6,8", help="speculative windows to time verify at (default: 2,4,6,8; '' to skip)")
-    p.add_argument("--out", type=Path, default=None, help="write bench_<spec>.json here")
+    p.add_argument("--L", dest="capacities", default="", help="buffer capacities L to sweep replay decode over, e.g. 4,8,16,32 (default: none)")
+    p.add_argument("--L-batch", dest="capacity_batches", default=None, help="batch sizes of the --L sweep (default: those of --batch)")
+    p.add_argument("--out", type=Path, default=None, help="write bench_<spec>_<shapes>.json here")
+    p.add_argument("--plots", action="store_true", help="also write PNG plots next to the JSON (needs --out and matplotlib)")
+
+    p = sub.add_parser("plot", help="PNG plots from a saved bench JSON", description="Plot speedup vs batch, time vs L, verify cost vs T and bandwidth fraction from a `bench --out` JSON (needs matplotlib).")
+    p.add_argument("json", type=Path, help="bench_<spec>_<shapes>.json written by bench --out")
+    p.add_argument("--out", type=Path, default=None, help="folder for the PNGs (default: the JSON's folder)")
 
     p = sub.add_parser("tune", help="search the kernels' launch configs on this GPU and record every trial", description=(
         "Per shape, batch size and kernel, search the launch configs (block_v, warps, stages; route and flush threshold for "
@@ -234,7 +241,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
     batches = _int_list("--batch", args.batch)
     windows = _int_list("--T", args.windows)
-    run(spec, select_shapes(spec, args.shape), batches, getattr(torch, DTYPES[args.dtype]), args.out, args.sweep, windows)
+    capacities = _int_list("--L", args.capacities)
+    if any(c < 2 for c in capacities):
+        raise ReplaygenError(f"--L values must be at least 2 (the kernels need L >= 2T), got '{args.capacities}'")
+    capacity_batches = _int_list("--L-batch", args.capacity_batches) if args.capacity_batches else None
+    run(spec, select_shapes(spec, args.shape), batches, getattr(torch, DTYPES[args.dtype]), args.out, args.sweep, windows,
+        capacities=capacities, capacity_batches=capacity_batches, plots=args.plots)
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from replaygen.plots import plot_bench
+
+    for path in plot_bench(args.json, args.out):
+        print(f"wrote {path}")
     return 0
 
 
@@ -279,7 +299,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"bench": cmd_bench, "build": cmd_build, "check": cmd_check, "show": cmd_show, "list": cmd_list, "tune": cmd_tune}
+COMMANDS = {"bench": cmd_bench, "build": cmd_build, "check": cmd_check, "show": cmd_show, "list": cmd_list, "plot": cmd_plot, "tune": cmd_tune}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -187,3 +187,20 @@ def test_fla_not_applicable_to_additive_specs(mamba2, monkeypatch):
     fake_fla_module(monkeypatch)
     assert bench.find_fla(mamba2) == "not applicable: update kind additive"
 
+
+def test_bench_command_passes_the_sweep_and_plots(monkeypatch, tmp_path, capsys):
+    """`replaygen bench` argument handling, with the GPU run replaced by a recorder."""
+    from replaygen.cli import main
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "run", lambda *args, **kwargs: calls.append((args, kwargs)))
+    spec = str(ROOT / "specs" / "mamba2.yaml")
+    assert main(["bench", spec, "--shape", "nemotron-h", "--batch", "32,256", "--L", "4,8,16,32", "--L-batch", "32", "--plots", "--out", str(tmp_path)]) == 0
+    (_, shapes, batches, _, out, _, windows), kwargs = calls[0]
+    assert [s.name for s in shapes] == ["nemotron-h"] and batches == [32, 256] and out == tmp_path and windows == [2, 4, 6, 8]
+    assert kwargs == {"capacities": [4, 8, 16, 32], "capacity_batches": [32], "plots": True}
+    assert main(["bench", spec, "--T", ""]) == 0
+    assert calls[1][1] == {"capacities": [], "capacity_batches": None, "plots": False} and calls[1][0][6] == []
+    assert main(["bench", spec, "--L", "1,8"]) == 2
+    assert "--L values must be at least 2" in capsys.readouterr().err

@@ -7,6 +7,7 @@ from dataclasses import asdict
 import pytest
 
 from replaygen import bench, plots
+from replaygen.cli import main
 from replaygen.measure import Timing
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -92,6 +93,16 @@ def test_plots_without_sweep_or_verify_rows(tmp_path):
     assert_pngs(paths, ("speedup", "roofline"), tmp_path / "out")
 
 
+def test_plot_command(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = write_json(tmp_path, synthetic_result())
+    assert main(["plot", str(path), "--out", str(tmp_path / "png")]) == 0
+    out = capsys.readouterr().out
+    assert out.count("wrote ") == len(ALL_PLOTS) and "mamba2_small_capacity.png" in out
+    assert main(["plot", str(tmp_path / "missing.json")]) == 2
+    assert "no bench JSON" in capsys.readouterr().err
+
+
 def test_without_matplotlib(tmp_path, monkeypatch, capsys):
     for name in ("matplotlib", "matplotlib.figure"):
         monkeypatch.setitem(sys.modules, name, None)
@@ -100,4 +111,6 @@ def test_without_matplotlib(tmp_path, monkeypatch, capsys):
         plots.plot_bench(path)
     bench.write_plots(path)
     assert "matplotlib not installed" in capsys.readouterr().out
+    assert main(["plot", str(path)]) == 2
+    assert "pip install 'replaygen[plot]'" in capsys.readouterr().err
     assert not list(tmp_path.glob("*.png"))
