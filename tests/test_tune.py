@@ -29,7 +29,7 @@ from replaygen.tune.records import Environment, RecordStore, TrialRecord, TrialS
 from replaygen.tune.report import format_summary, summary_rows
 from replaygen.tune.run import gpu_name_of
 from replaygen.tune.space import PruneRule, derive_space
-from replaygen.tune.study import Mode, Progress, TuneSettings, plan_tasks, tune
+from replaygen.tune.study import Mode, Progress, Tuner, TuneSettings, distributions, encode_params, make_storage, plan_tasks, tune
 
 from conftest import ROOT, SMALL
 
@@ -378,11 +378,11 @@ class FakeGPU:
         return Evaluator(checker=self.checker, timer=self.timer, loader=lambda candidate: types.SimpleNamespace())
 
 
-def run(mamba2, tmp_path, kinds, batches, *, trials=12, mode=Mode.OPTUNA, fixed=(), fake=None, seed=0):
+def run(mamba2, tmp_path, kinds, batches, *, trials=12, mode=Mode.OPTUNA, fixed=(), fake=None, seed=0, storage=None):
     shape = mamba2.shape("nemotron-h")
     fake = fake or FakeGPU()
     store = RecordStore(record_path(tmp_path, "h100", mamba2, shape), spec="mamba2", shape=shape.name, gpu="h100")
-    settings = TuneSettings(trials=trials, mode=mode, journal=tmp_path / "h100" / "optuna.journal", seed=seed)
+    settings = TuneSettings(trials=trials, mode=mode, journal=tmp_path / "h100" / "optuna.journal", seed=seed, storage=storage)
     results = tune(
         plan_tasks(mamba2, (shape,), kinds, batches, fixed),
         evaluator_for=fake.evaluator,
@@ -424,6 +424,27 @@ def test_resume_continues_the_study(mamba2, tmp_path):
     assert again[0].best.value <= first[0].best.value
     changed_space, _, _ = run(mamba2, tmp_path, (RD,), (32,), trials=2, fixed=(("route", "output_only"),))
     assert changed_space[0].study != first[0].study  # a changed space starts a fresh study
+
+
+def test_any_storage_url(mamba2, tmp_path):
+    url = f"sqlite:///{tmp_path / 'tune.db'}"
+    first, _, _ = run(mamba2, tmp_path, (BD,), (8,), trials=3, storage=url)
+    again, _, _ = run(mamba2, tmp_path, (BD,), (8,), trials=5, storage=url)
+    assert again[0].trials == 5 and again[0].study == first[0].study
+    assert optuna.load_study(study_name=first[0].study, storage=url).trials and not (tmp_path / "h100" / "optuna.journal").exists()
+
+
+def test_a_trial_left_running_by_a_killed_run_does_not_hide_the_default(mamba2, tmp_path):
+    shape = mamba2.shape("nemotron-h")
+    (task,) = plan_tasks(mamba2, (shape,), (BD,), (8,))
+    store = RecordStore(record_path(tmp_path, "h100", mamba2, shape), spec="mamba2", shape=shape.name, gpu="h100")
+    settings = TuneSettings(trials=3, journal=tmp_path / "h100" / "optuna.journal")
+    name = Tuner(shape=shape, evaluator=FakeGPU().evaluator(), store=store, environment=env(), settings=settings, progress=Progress()).study_name(task)
+    study = optuna.create_study(study_name=name, storage=make_storage(settings))
+    study.enqueue_trial(encode_params(task.space, task.space.default))
+    assert study.ask(distributions(task.space)).params == encode_params(task.space, task.space.default)  # then killed
+    results, _, _ = run(mamba2, tmp_path, (BD,), (8,), trials=3)
+    assert results[0].default is not None and results[0].default.config == task.space.default
 
 
 def test_exhaustive_mode_and_optuna_on_an_enumerable_space(mamba2, tmp_path):

@@ -112,9 +112,9 @@ def plan_tasks(spec: Spec, shapes: tuple[TargetShape, ...], kinds: tuple[KernelK
     return tasks
 
 
-def make_storage(settings: TuneSettings) -> optuna.storages.BaseStorage | str:
+def make_storage(settings: TuneSettings) -> optuna.storages.BaseStorage:
     if settings.storage:
-        return settings.storage
+        return optuna.storages.get_storage(settings.storage)
     if settings.journal is None:
         raise ValueError("TuneSettings needs a storage URL or a journal path")
     settings.journal.parent.mkdir(parents=True, exist_ok=True)
@@ -248,7 +248,7 @@ class Tuner:
         study.sampler = _sampler(self.settings, len(study.trials))
         dists = distributions(space)
         if space.contains(space.default):
-            study.enqueue_trial(encode_params(space, space.default), skip_if_exists=True)
+            _enqueue_unless_done(study, encode_params(space, space.default))
         results: dict[KernelConfig, TrialRecord] = {}
         complete = 0
         for previous in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
@@ -295,6 +295,14 @@ class Tuner:
         )
         self.progress.search_done(result)
         return result
+
+
+def _enqueue_unless_done(study: optuna.Study, params: dict[str, object]) -> None:
+    """Enqueue `params` unless a complete or waiting trial has them (a trial left RUNNING by a killed run does not count)."""
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.WAITING)):
+        if trial.system_attrs.get("fixed_params", trial.params) == params:
+            return
+    study.enqueue_trial(params)
 
 
 def _sampler(settings: TuneSettings, previous_trials: int) -> optuna.samplers.BaseSampler:
