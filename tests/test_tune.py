@@ -398,7 +398,7 @@ def test_optuna_search_records_every_trial_and_failures_never_win(mamba2, tmp_pa
     results, store, fake = run(mamba2, tmp_path, (BD,), (8,), trials=100)
     (result,) = results
     assert result.mode is Mode.OPTUNA and result.study.startswith("replaygen:mamba2:nemotron-h:baseline_decode:b8:h100:")
-    assert result.measured == 15 and result.trials < 100  # stopped once all 15 candidates were seen
+    assert result.measured == result.trials == 15  # stopped once all 15 candidates were seen
     assert result.measured == len(store.trials) == len(fake.timed) + sum(t.status is not TrialStatus.OK for t in store.trials)
     assert result.default.config == derive_space(BD, mamba2.shape("nemotron-h"), 8).default  # enqueued first
     by_config = {t.config: t for t in store.trials}
@@ -419,7 +419,8 @@ def test_resume_continues_the_study(mamba2, tmp_path):
     assert again[0].trials == 10 and again[0].measured <= 4 and len(fake.timed) <= 4
     storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(tmp_path / "h100" / "optuna.journal")))
     study = optuna.load_study(study_name=first[0].study, storage=storage)
-    assert len(study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))) == 10
+    complete = study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
+    assert len({tuple(sorted(t.params.items())) for t in complete}) == 10  # repeated proposals are told, not counted
     assert len(read_records(store.path).trials) == len({(t.config, t.batch) for t in store.trials})
     assert again[0].best.value <= first[0].best.value
     changed_space, _, _ = run(mamba2, tmp_path, (RD,), (32,), trials=2, fixed=(("route", "output_only"),))
@@ -467,7 +468,7 @@ def test_a_tiny_space_ends_when_exhausted(mamba2, tmp_path):
     fixed = (("block_v", "16"),)
     results, store, fake = run(mamba2, tmp_path, (BD,), (1,), trials=50, fixed=fixed)
     assert results[0].measured == len(derive_space(BD, mamba2.shape("nemotron-h"), 1).fix("block_v", "16").candidates()) == 4
-    assert len(fake.timed) == 4 and results[0].trials < 50  # repeated proposals reuse the recorded trial
+    assert len(fake.timed) == 4 and results[0].trials == 4  # the space is exhausted before 50
 
 
 def test_summary_speedups(mamba2, tmp_path):
@@ -562,6 +563,34 @@ def test_tune_needs_a_gpu(capsys):
         pytest.skip("a GPU is present")
     assert main(["tune", str(ROOT / "specs" / "mamba2.yaml"), "--shape", "nemotron-h"]) == 2
     assert "tune needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_tune_command_end_to_end_on_a_fake_gpu(tmp_path, monkeypatch, capsys):
+    """CLI -> run_tune -> driver -> records -> summary -> build, with the device and the evaluator faked."""
+    from replaygen.tune import run as tune_run
+
+    props = types.SimpleNamespace(name="NVIDIA H100 80GB HBM3", major=9, minor=0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: props.name)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    monkeypatch.setattr(tune_run, "gpu_evaluator", lambda spec, shape, device, dtype, kinds: FakeGPU().evaluator())
+    spec_file = str(ROOT / "specs" / "mamba2.yaml")
+    out = tmp_path / "records"
+    args = ["tune", spec_file, "--shape", "nemotron-h", "--kernels", "baseline_decode,replay_decode", "--batch", "1,64", "--trials", "4", "--out", str(out)]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert "[4/4] nemotron-h replay_decode b=64 #4/4" in captured.err
+    assert "vs baseline" in captured.out and f"records: {out}/h100/mamba2_nemotron_h.json" in captured.out
+    saved = read_records(out / "h100" / "mamba2_nemotron_h.json")
+    assert {t.environment.device_name for t in saved.trials} == {props.name} and {t.batch for t in saved.trials} == {1, 64}
+    assert (out / "h100" / "optuna.journal").is_file()
+    assert main(["build", spec_file, "--shape", "nemotron-h", "--out", str(tmp_path / "gen"), "--tune-dir", str(out)]) == 0
+    built = capsys.readouterr().out
+    assert "baseline_decode: tuned (b1: " in built and "replay_decode: tuned (b1: " in built
+    assert main(["tune", spec_file, "--kernels", "commit"]) == 2
+    assert "--kernels takes" in capsys.readouterr().err
+    assert main(["tune", spec_file, "--shape", "nemotron-h", "--kernels", "baseline_decode", "--fix", "flush_at=3", "--out", str(out)]) == 2
+    assert "--fix flush_at=3" in capsys.readouterr().err
 
 
 def test_gpu_names():

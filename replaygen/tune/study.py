@@ -8,11 +8,12 @@ integers, flush_at and num_stages as integers, the route as a category) through 
   PostgreSQL, ...), so several processes or hosts can work on one study;
 - study name: `replaygen:<spec>:<shape>:<kind>:b<batch>:<gpu>:<hash>`, the hash over the search
   space, the templates, the spec, the environment and the activation dtype: a changed space or
-  kernel starts a fresh study, an unchanged one resumes (its complete trials count toward
+  kernel starts a fresh study, an unchanged one resumes (the configs it tried count toward
   --trials);
-- the documented default is enqueued first; pruned points are told PRUNED (never compiled,
-  not counted); a config whose trial is already in the records (same kernel key, environment,
-  batch and dtype) is not measured again: its recorded value is told.
+- --trials counts distinct configs (resumed ones too): the documented default is enqueued
+  first; pruned points are told PRUNED (never compiled); a repeated proposal is told the value
+  it had; neither counts. A config whose trial is already in the records (same kernel key,
+  environment, batch and dtype) is not measured again: its recorded value is told.
 
 Exhaustive mode times every candidate of the space, in order, without Optuna.
 """
@@ -47,7 +48,7 @@ log = logging.getLogger(__name__)
 
 JOURNAL_NAME = "optuna.journal"
 EXHAUSTIVE_STUDY = "exhaustive"
-MAX_CONSECUTIVE_PRUNED = 200
+MAX_IDLE_PROPOSALS = 200
 
 
 class Mode(enum.Enum):
@@ -85,7 +86,7 @@ class SearchResult:
     study: str
     best: TrialRecord | None  # None when nothing passed
     default: TrialRecord | None  # the documented default's trial, when it ran
-    trials: int  # Optuna: complete trials of the study (resumed ones too); exhaustive: candidates done
+    trials: int  # distinct configs with a value (Optuna: the study's, resumed ones too)
     measured: int  # candidates timed by this run (the rest reused recorded trials)
     pruned: int  # points pruned before compiling (Optuna: proposals; exhaustive: the space's)
 
@@ -249,38 +250,42 @@ class Tuner:
         dists = distributions(space)
         if space.contains(space.default):
             _enqueue_unless_done(study, encode_params(space, space.default))
-        results: dict[KernelConfig, TrialRecord] = {}
-        complete = 0
+        values: dict[KernelConfig, float] = {}  # every config the study has a value for
+        results: dict[KernelConfig, TrialRecord] = {}  # those whose trial is in the records
         for previous in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-            complete += 1
             config = decode_params(space, previous.params)
+            values[config] = previous.value
             known = self._known.get((render_candidate(task.spec, task.shape, task.kind, config).key.source_sha256, task.batch))
             if known is not None:
                 results[config] = known
-        distinct = len(space.candidates())
-        measured = pruned = consecutive_pruned = 0
-        while complete < self.settings.trials and len(results) < distinct:
-            if deadline is not None and complete and time.monotonic() > deadline:
-                log.warning("%s: time is up after %d trials", task.label, complete)
+        target = min(self.settings.trials, len(space.candidates()))
+        measured = pruned = idle = 0
+        while len(values) < target:
+            if deadline is not None and values and time.monotonic() > deadline:
+                log.warning("%s: time is up after %d trials", task.label, len(values))
+                break
+            if idle >= MAX_IDLE_PROPOSALS:
+                log.warning("%s: the sampler proposed %d pruned or repeated points in a row; stopping", task.label, idle)
                 break
             trial = study.ask(dists)
             config = decode_params(space, trial.params)
             if space.prune_reason(config) is not None:
                 study.tell(trial, state=TrialState.PRUNED)
                 pruned += 1
-                consecutive_pruned += 1
-                if consecutive_pruned >= MAX_CONSECUTIVE_PRUNED:
-                    log.warning("%s: the sampler proposed %d pruned points in a row; stopping", task.label, consecutive_pruned)
-                    break
+                idle += 1
                 continue
-            consecutive_pruned = 0
+            if config in values:
+                study.tell(trial, values[config])
+                idle += 1
+                continue
+            idle = 0
             record, reused = self._measure(task, config, name)
             study.tell(trial, record.value)
-            complete += 1
+            values[config] = record.value
             results[config] = record
             measured += not reused
-            self.progress.trial(task, complete, record, reused, _best(results))
-        return self._result(task, Mode.OPTUNA, name, results, complete, measured, pruned)
+            self.progress.trial(task, len(values), record, reused, _best(results))
+        return self._result(task, Mode.OPTUNA, name, results, len(values), measured, pruned)
 
     def _result(self, task: SearchTask, mode: Mode, study: str, results: dict[KernelConfig, TrialRecord], trials: int, measured: int, pruned: int) -> SearchResult:
         result = SearchResult(
