@@ -464,6 +464,14 @@ def test_exhaustive_mode_and_optuna_on_an_enumerable_space(mamba2, tmp_path):
     assert [r.mode for r in rows] == ["exhaustive", "optuna"] and rows[0].trials == ex.trials
 
 
+def test_a_rerun_reuses_recorded_outcomes_and_retries_failures(mamba2, tmp_path):
+    first, store, _ = run(mamba2, tmp_path, (BD,), (8,), mode=Mode.EXHAUSTIVE)
+    assert first[0].measured == 15
+    again, store, fake = run(mamba2, tmp_path, (BD,), (8,), mode=Mode.EXHAUSTIVE)
+    assert again[0].measured == 1 and fake.checked == [RAISES]  # WRONG is taken as recorded, the compile error tried again
+    assert again[0].best == first[0].best and len(store.trials) == 16
+
+
 def test_a_tiny_space_ends_when_exhausted(mamba2, tmp_path):
     fixed = (("block_v", "16"),)
     results, store, fake = run(mamba2, tmp_path, (BD,), (1,), trials=50, fixed=fixed)

@@ -13,7 +13,7 @@ integers, flush_at and num_stages as integers, the route as a category) through 
 - --trials counts distinct configs (resumed ones too): the documented default is enqueued
   first; pruned points are told PRUNED (never compiled); a repeated proposal is told the value
   it had; neither counts. A config whose trial is already in the records (same kernel key,
-  environment, batch and dtype) is not measured again: its recorded value is told.
+  environment, batch and dtype; OK or WRONG) is not measured again: its recorded value is told.
 
 Exhaustive mode times every candidate of the space, in order, without Optuna.
 """
@@ -41,7 +41,7 @@ from replaygen.configs import KernelConfig, KernelKind
 from replaygen.errors import ReplaygenError
 from replaygen.spec.model import Spec, TargetShape
 from replaygen.tune.objective import Evaluator
-from replaygen.tune.records import Environment, RecordStore, TrialRecord, canonical_sha256, render_candidate
+from replaygen.tune.records import Environment, RecordStore, TrialRecord, TrialStatus, canonical_sha256, render_candidate
 from replaygen.tune.space import Scale, SearchSpace, derive_space
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,8 @@ log = logging.getLogger(__name__)
 JOURNAL_NAME = "optuna.journal"
 EXHAUSTIVE_STUDY = "exhaustive"
 MAX_IDLE_PROPOSALS = 200
+# Recorded outcomes a later run takes as they are; failures (compile errors, out of resources) are tried again.
+REUSED_STATUSES = frozenset({TrialStatus.OK, TrialStatus.WRONG})
 
 
 class Mode(enum.Enum):
@@ -172,9 +174,9 @@ class Tuner:
         environment: Environment,
         settings: TuneSettings,
         progress: Progress,
-        storage: object = None,
+        storage: optuna.storages.BaseStorage | None = None,
     ):
-        """`storage`: what optuna.create_study takes (see make_storage); unused in exhaustive mode."""
+        """`storage`: the Optuna storage (see make_storage; None: in memory); unused in exhaustive mode."""
         self.shape = shape
         self.evaluator = evaluator
         self.store = store
@@ -186,7 +188,7 @@ class Tuner:
         self._known = {
             (t.key.source_sha256, t.batch): t
             for t in store.trials
-            if t.environment.fingerprint() == fingerprint and t.activation_dtype == settings.activation_dtype
+            if t.environment.fingerprint() == fingerprint and t.activation_dtype == settings.activation_dtype and t.status in REUSED_STATUSES
         }
 
     def study_name(self, task: SearchTask) -> str:
