@@ -589,7 +589,8 @@ def run(
     """Every benchmark for `shapes`, printed as tables and returned (and written to OUT_DIR) as JSON.
 
     capacities: buffer capacities L for the replay-decode sweep at `capacity_batches` (default: `batches`);
-    plots: also write PNGs next to the JSON (needs `out_dir` and matplotlib).
+    plots: also write PNGs next to the JSON (needs `out_dir` and matplotlib). The JSON is rewritten after
+    every section with "complete": false, so a run cut short keeps what it measured.
     """
     if plots and out_dir is None:
         raise ReplaygenError("--plots writes the PNGs next to the JSON: give --out DIR")
@@ -602,7 +603,25 @@ def run(
         print(FLA_ABSENT)
     elif isinstance(fla, str):
         log.info("no FLA column: %s", fla)
-    rows, capacity, verify, memory, fla_checks = [], [], [], [], []
+    header = {
+        "spec": spec.name,
+        "spec_sha256": spec.source_sha256,
+        "activation_dtype": str(act_dtype).replace("torch.", ""),
+        "environment": environment(device),
+        "copy_bandwidth_bytes_per_s": copy_bw,
+    }
+    sections: dict[str, list] = {"decode": [], "capacity_sweep": [], "verify": [], "memory": []}
+    fla_checks: list[FlaCheck] = []
+    path = None if out_dir is None else out_dir / f"bench_{spec.name}_{'_'.join(s.name for s in shapes)}.json"
+
+    def save(complete: bool) -> dict[str, object]:
+        result = {**header, **{key: [asdict(r) for r in rows] for key, rows in sections.items()}}
+        result.update(fla=fla_record(fla, fla_checks, act_dtype), complete=complete)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(result, indent=1, sort_keys=True))
+        return result
+
     for shape in shapes:
         shape_rows = bench_decode(spec, shape, batches, act_dtype, device, copy_bw, sweep)
         decode_ms = {r.batch: r.timing["median_ms"] for r in shape_rows if r.kernel == "baseline"}
@@ -611,34 +630,22 @@ def run(
             shape_rows += fla_rows
             fla_checks += checks
         print(format_rows(shape_rows), flush=True)
-        rows += shape_rows
+        sections["decode"] += shape_rows
+        save(complete=False)
         if capacities:
             sweep_rows = bench_capacity(spec, shape, capacities, capacity_batches or batches, act_dtype, device, copy_bw, decode_ms, sweep)
             print(format_capacity_rows(sweep_rows), flush=True)
-            capacity += sweep_rows
+            sections["capacity_sweep"] += sweep_rows
+            save(complete=False)
         if windows:
             verify_rows = bench_verify(spec, shape, batches, windows, act_dtype, device, copy_bw, decode_ms, sweep)
             print(format_verify_rows(verify_rows), flush=True)
-            verify += verify_rows
+            sections["verify"] += verify_rows
             mem = memory_rows(spec, shape, act, windows)
             print(format_memory_rows(mem), flush=True)
-            memory += mem
-    result = {
-        "spec": spec.name,
-        "spec_sha256": spec.source_sha256,
-        "activation_dtype": str(act_dtype).replace("torch.", ""),
-        "environment": environment(device),
-        "copy_bandwidth_bytes_per_s": copy_bw,
-        "decode": [asdict(r) for r in rows],
-        "capacity_sweep": [asdict(r) for r in capacity],
-        "verify": [asdict(r) for r in verify],
-        "memory": [asdict(r) for r in memory],
-        "fla": fla_record(fla, fla_checks, act_dtype),
-    }
-    if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        path = out_dir / f"bench_{spec.name}_{'_'.join(s.name for s in shapes)}.json"
-        path.write_text(json.dumps(result, indent=1, sort_keys=True))
+            sections["memory"] += mem
+    result = save(complete=True)
+    if path is not None:
         print(f"wrote {path}")
         if plots:
             write_plots(path)

@@ -73,7 +73,8 @@ def _rows(result: Row, key: str, shape: str, **match: object) -> list[Row]:
 
 def _title(result: Row, shape: str, what: str) -> str:
     gpu = result.get("environment", {}).get("gpu", "unknown GPU")
-    return f"{result['spec']} {shape}: {what}\n{gpu}, {result.get('activation_dtype', '?')} activations"
+    cut = " (run cut short)" if result.get("complete") is False else ""
+    return f"{result['spec']} {shape}: {what}\n{gpu}, {result.get('activation_dtype', '?')} activations{cut}"
 
 
 def _panels(count: int, title: str) -> tuple[Any, list[Any]]:

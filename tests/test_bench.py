@@ -52,7 +52,8 @@ def test_bench_rows_and_json(mamba2, tmp_path, fake_gpu):
     result = bench.run(mamba2, (shape,), [2], torch.float32, tmp_path, sweep=False, windows=[2], device=CPU)
     saved = json.loads((tmp_path / "bench_mamba2_small.json").read_text())
     assert saved == json.loads(json.dumps(result))
-    assert set(saved) == {"spec", "spec_sha256", "activation_dtype", "environment", "copy_bandwidth_bytes_per_s", "decode", "capacity_sweep", "verify", "memory", "fla"}
+    assert set(saved) == {"spec", "spec_sha256", "activation_dtype", "environment", "copy_bandwidth_bytes_per_s", "decode", "capacity_sweep", "verify", "memory", "fla", "complete"}
+    assert saved["complete"] is True
     assert saved["fla"] == "not applicable: update kind additive"
     assert saved["capacity_sweep"] == []  # no --L
     kernels = {(r["kernel"], r["flush_at"]) for r in saved["decode"]}
@@ -134,6 +135,18 @@ def fake_fla_module(monkeypatch, l2norm=True):
 def fake_decode_rows(spec, shape, batches, act_dtype, device, copy_bw, sweep=False):
     """bench_decode's baseline rows without timing anything (the FLA tests need only the baseline times)."""
     return [bench.decode_row(shape, b, "baseline", 1, {"block_v": 8, "num_warps": 4}, fake_timing(1.0), 1.0, copy_bw, 1.0) for b in batches]
+
+
+def test_run_cut_short_keeps_what_it_measured(mamba2, monkeypatch, tmp_path, fake_gpu):
+    def time_limit(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "bench_decode", fake_decode_rows)
+    monkeypatch.setattr(bench, "bench_verify", time_limit)
+    with pytest.raises(KeyboardInterrupt):
+        bench.run(mamba2, (SMALL,), [2], torch.float32, tmp_path, sweep=False, windows=[2], device=CPU)
+    saved = json.loads((tmp_path / "bench_mamba2_small.json").read_text())
+    assert saved["complete"] is False and [r["batch"] for r in saved["decode"]] == [2] and saved["verify"] == []
 
 
 def test_fla_absent(gdn, monkeypatch, capsys, fake_gpu):

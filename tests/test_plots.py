@@ -61,6 +61,7 @@ def synthetic_result(sections=("capacity_sweep", "verify")):
         "verify": [asdict(r) for b in BATCHES for r in verify_rows(b)],
         "memory": [],
         "fla": {"version": "fake", "tolerance": 0.02, "checks": []},
+        "complete": True,
     }
     for key in ("capacity_sweep", "verify"):
         if key not in sections:
