@@ -374,8 +374,11 @@ class FakeGPU:
         ms = fake_ms(candidate.config) * batch
         return TrialTiming(ms, ms, ms, 20)
 
+    def health(self):
+        pass
+
     def evaluator(self, shape=None):
-        return Evaluator(checker=self.checker, timer=self.timer, loader=lambda candidate: types.SimpleNamespace())
+        return Evaluator(checker=self.checker, timer=self.timer, loader=lambda candidate: types.SimpleNamespace(), health=self.health)
 
 
 def run(mamba2, tmp_path, kinds, batches, *, trials=12, mode=Mode.OPTUNA, fixed=(), fake=None, seed=0, storage=None):
@@ -517,8 +520,32 @@ def test_evaluator_statuses(mamba2):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     broken = Evaluator(checker=checker, timer=lambda m, c, b: 1 / 0, loader=lambda c: None, health=dead)
-    with pytest.raises(TuneAborted, match="records written so far are kept"):
-        broken.evaluate(candidate, 1)
+    lost = broken.evaluate(candidate, 1)
+    assert lost.status is TrialStatus.CRASHED and lost.device_lost and "illegal memory access" in lost.error
+
+
+def test_a_crash_stops_the_tune_and_is_never_retried(mamba2, tmp_path):
+    crash = KernelConfig(block_v=16, num_warps=8)
+
+    class Crashing(FakeGPU):
+        lost = False
+
+        def timer(self, module, candidate, batch):
+            if candidate.config == crash:
+                self.lost = True
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            return super().timer(module, candidate, batch)
+
+        def health(self):
+            if self.lost:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    with pytest.raises(TuneAborted, match="recorded as crashed"):
+        run(mamba2, tmp_path, (BD,), (8,), mode=Mode.EXHAUSTIVE, fake=Crashing())
+    crashed = [t for t in read_records(record_path(tmp_path, "h100", mamba2, mamba2.shape("nemotron-h"))).trials if t.status is TrialStatus.CRASHED]
+    assert [t.config for t in crashed] == [crash]
+    again, _, fake = run(mamba2, tmp_path, (BD,), (8,), mode=Mode.EXHAUSTIVE, fake=Crashing())
+    assert crash not in fake.checked and not fake.lost and again[0].best is not None
 
 
 def test_reference_checker_on_a_real_candidate(mamba2):

@@ -7,7 +7,8 @@ workload per batch size whose module is swapped between candidates.
 
 A candidate that raises is recorded as FAILED (OUT_OF_RESOURCES for Triton's OutOfResources
 and CUDA out-of-memory) and the search goes on, unless the CUDA context no longer works
-afterwards: then the tune stops (`TuneAborted`), keeping the records written so far.
+afterwards: then it is recorded as CRASHED (never tried again) and the tune stops
+(`TuneAborted`), keeping the records written so far.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ TIMING_REPEATS = 20
 
 
 class TuneAborted(ReplaygenError):
-    """The GPU is unusable after a candidate (e.g. an illegal memory access poisons the CUDA context)."""
+    """The GPU is unusable after a candidate (e.g. an illegal memory access poisons the CUDA context); raised by the driver."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,10 @@ class Outcome:
     status: TrialStatus
     timing: TrialTiming | None
     error: str = ""
+
+    @property
+    def device_lost(self) -> bool:
+        return self.status is TrialStatus.CRASHED
 
 
 Loader = Callable[[Candidate], ModuleType]
@@ -82,17 +87,11 @@ class Evaluator:
             status = TrialStatus.OUT_OF_RESOURCES if _out_of_resources(exc) else TrialStatus.FAILED
             message = _summary(exc)
             log.info("%s %s failed: %s", candidate.kind.value, candidate.config, message)
-            self._require_healthy(candidate, message)
+            try:
+                self.health()
+            except Exception as lost:
+                return Outcome(status=TrialStatus.CRASHED, timing=None, error=f"{message}; then the device was unusable: {_summary(lost)}")
             return Outcome(status=status, timing=None, error=message)
-
-    def _require_healthy(self, candidate: Candidate, message: str) -> None:
-        try:
-            self.health()
-        except Exception as exc:
-            raise TuneAborted(
-                f"the GPU is unusable after {candidate.kind.value} {candidate.config.as_dict()} ({message}; then {type(exc).__name__}: {exc}); "
-                "the records written so far are kept: run tune again to resume"
-            ) from exc
 
 
 def _summary(exc: BaseException, limit: int = 400) -> str:

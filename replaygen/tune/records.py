@@ -46,6 +46,7 @@ class TrialStatus(enum.Enum):
     WRONG = "wrong"  # ran, but disagrees with the reference
     FAILED = "failed"  # raised (compile error, launch error)
     OUT_OF_RESOURCES = "out_of_resources"  # shared memory, registers or GPU memory
+    CRASHED = "crashed"  # raised and left the device unusable (e.g. an illegal memory access)
 
 
 def canonical_sha256(payload: object) -> str:

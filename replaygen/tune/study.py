@@ -13,7 +13,7 @@ integers, flush_at and num_stages as integers, the route as a category) through 
 - --trials counts distinct configs (resumed ones too): the documented default is enqueued
   first; pruned points are told PRUNED (never compiled); a repeated proposal is told the value
   it had; neither counts. A config whose trial is already in the records (same kernel key,
-  environment, batch and dtype; OK or WRONG) is not measured again: its recorded value is told.
+  environment, batch and dtype; OK, WRONG or CRASHED) is not measured again: its recorded value is told.
 
 Exhaustive mode times every candidate of the space, in order, without Optuna.
 """
@@ -40,7 +40,7 @@ from replaygen.codegen import template_hash
 from replaygen.configs import KernelConfig, KernelKind
 from replaygen.errors import ReplaygenError
 from replaygen.spec.model import Spec, TargetShape
-from replaygen.tune.objective import Evaluator
+from replaygen.tune.objective import Evaluator, TuneAborted
 from replaygen.tune.records import Environment, RecordStore, TrialRecord, TrialStatus, canonical_sha256, render_candidate
 from replaygen.tune.space import Scale, SearchSpace, derive_space
 
@@ -49,8 +49,8 @@ log = logging.getLogger(__name__)
 JOURNAL_NAME = "optuna.journal"
 EXHAUSTIVE_STUDY = "exhaustive"
 MAX_IDLE_PROPOSALS = 200
-# Recorded outcomes a later run takes as they are; failures (compile errors, out of resources) are tried again.
-REUSED_STATUSES = frozenset({TrialStatus.OK, TrialStatus.WRONG})
+# Recorded outcomes a later run takes as they are; other failures (compile errors, out of resources) are tried again.
+REUSED_STATUSES = frozenset({TrialStatus.OK, TrialStatus.WRONG, TrialStatus.CRASHED})
 
 
 class Mode(enum.Enum):
@@ -227,6 +227,11 @@ class Tuner:
         )
         self.store.add(record)
         self._known[(candidate.key.source_sha256, task.batch)] = record
+        if outcome.device_lost:
+            raise TuneAborted(
+                f"{task.label}: the GPU is unusable after {config.as_dict()} ({outcome.error}); it is recorded as crashed in {self.store.path} "
+                "and will not be tried again: run tune again (new process) to resume"
+            )
         return record, False
 
     def _exhaustive(self, task: SearchTask, deadline: float | None) -> SearchResult:
