@@ -18,7 +18,7 @@ from replaygen import __version__, measure
 from replaygen.build import build_spec
 from replaygen.cli import main
 from replaygen.configs import KernelConfig, KernelKind, Route
-from replaygen.errors import TuningRecordError
+from replaygen.errors import TuningRecordError, UnsupportedShapeError
 from replaygen.measure import Timing
 from replaygen.runtime import load_kernels
 from replaygen.spec import load_spec_text
@@ -332,6 +332,24 @@ def test_mismatched_records_are_never_applied_silently(mamba2, tmp_path, monkeyp
     monkeypatch.setenv("REPLAYGEN_TEMPLATES", str(variant))
     with pytest.raises(TuningRecordError, match="templates changed since tuning"):
         resolve_configs(mamba2, shape, "h100", tune_dir)
+
+
+def test_a_winner_that_no_longer_validates_is_skipped(mamba2, tmp_path, monkeypatch):
+    import replaygen.plan
+
+    shape = mamba2.shape("nemotron-h")
+    config = KernelConfig(block_v=32, num_warps=8, flush_at=8)
+    write(tmp_path / "tune", mamba2, shape, [trial(mamba2, shape, RD, config, 8, 0.1)])
+    strict = replaygen.plan.validate_config
+
+    def stricter(kind, shape, candidate):
+        if kind is RD and candidate.block_v == 32:
+            raise UnsupportedShapeError("replay_decode: block_v=32 is not allowed any more")
+        strict(kind, shape, candidate)
+
+    monkeypatch.setattr(replaygen.plan, "validate_config", stricter)
+    with pytest.raises(TuningRecordError, match=r"config no longer valid \(configs.validate_config\) \(replay_decode: block_v=32 is not allowed"):
+        resolve_configs(mamba2, shape, "h100", tmp_path / "tune")
 
 
 def test_build_of_a_corrupt_record_names_it(mamba2, tmp_path):

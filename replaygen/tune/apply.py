@@ -25,7 +25,7 @@ from pathlib import Path
 from replaygen import __version__
 from replaygen.codegen import template_hash
 from replaygen.configs import BucketConfig, KernelConfig, KernelKind, default_configs
-from replaygen.errors import TuningRecordError
+from replaygen.errors import TuningRecordError, UnsupportedShapeError
 from replaygen.spec.model import Spec, TargetShape
 from replaygen.tune.records import RecordFile, TrialRecord, TrialStatus, read_records, record_path, render_candidate, shape_sha256
 from replaygen.tune.space import TUNABLE_KINDS
@@ -36,6 +36,7 @@ class Mismatch(enum.Enum):
     SPEC = "spec changed since tuning"
     SHAPE = "shape changed since tuning"
     SOURCE = "generated source differs (replaygen codegen or another kernel's default changed)"
+    INVALID = "config no longer valid (configs.validate_config)"
     GPU = "GPU differs"
     TRITON = "triton version differs"
     REPLAYGEN = "replaygen version differs"
@@ -165,18 +166,30 @@ def _pick(records: RecordFile, kind: KernelKind, target: BuildTarget, accept_env
             pick.skipped.update(found)
         else:
             eligible.setdefault(trial.batch, []).append((trial, found))
-    rendered: dict[KernelConfig, str] = {}
+    current: dict[KernelConfig, tuple[str | None, str]] = {}
     for batch, entries in sorted(eligible.items()):
         for trial, found in sorted(entries, key=lambda entry: (entry[0].value, sorted(entry[0].config.as_dict().items()))):
-            if trial.config not in rendered:
-                rendered[trial.config] = render_candidate(target.spec, target.shape, kind, trial.config).key.source_sha256
-            if rendered[trial.config] != trial.key.source_sha256:
-                pick.skipped[(Mismatch.SOURCE, f"source sha256 {trial.key.source_sha256[:12]} then, {rendered[trial.config][:12]} now")] += 1
+            if trial.config not in current:
+                current[trial.config] = _source_now(target, kind, trial.config)
+            sha, why = current[trial.config]
+            if sha is None:
+                pick.skipped[(Mismatch.INVALID, why)] += 1
+                continue
+            if sha != trial.key.source_sha256:
+                pick.skipped[(Mismatch.SOURCE, f"source sha256 {trial.key.source_sha256[:12]} then, {sha[:12]} now")] += 1
                 continue
             pick.accepted.update(found)
             pick.winners[batch] = trial
             break
     return pick
+
+
+def _source_now(target: BuildTarget, kind: KernelKind, config: KernelConfig) -> tuple[str | None, str]:
+    """The source sha256 `config` renders to now, or None and why it no longer renders."""
+    try:
+        return render_candidate(target.spec, target.shape, kind, config).key.source_sha256, ""
+    except UnsupportedShapeError as exc:
+        return None, str(exc)
 
 
 def dispatch_table(winners: dict[int, KernelConfig]) -> tuple[BucketConfig, ...]:

@@ -261,6 +261,8 @@ class Tuner:
         results: dict[KernelConfig, TrialRecord] = {}  # those whose trial is in the records
         for previous in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
             config = decode_params(space, previous.params)
+            if space.prune_reason(config) is not None:  # a rule or validate_config changed since
+                continue
             values[config] = previous.value
             known = self._known.get((render_candidate(task.spec, task.shape, task.kind, config).key.source_sha256, task.batch))
             if known is not None:
