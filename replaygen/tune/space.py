@@ -6,8 +6,9 @@ Derived from the shape; every parameter is a knob the kernel templates read
     block_v     value rows per program: powers of two from CURSOR_GRAIN to max(16, next_pow2(value_dim))
                 (the bound of `configs.validate_config`)
     num_warps   1, 2, 4, 8
-    num_stages  1, 2, 3 where the kernel has a runtime loop Triton can pipeline (replay kernels:
-                the replay over buffered entries); 1 elsewhere (straight-line code ignores it)
+    num_stages  1, 2, 3 where the kernel has a runtime loop (the replay kernels' fold over
+                buffered entries; it reads register tiles only, so the stages may well not
+                matter: the search measures it); 1 elsewhere (straight-line code ignores it)
     route       replay_decode only: output_only, state_and_output
     flush_at    replay_decode only: 1..L
 
@@ -45,7 +46,7 @@ TUNABLE_KINDS: tuple[KernelKind, ...] = (
     KernelKind.REPLAY_VERIFY,
     KernelKind.BASELINE_VERIFY,
 )
-# Kernels with a data-dependent loop (the replay over buffered entries), where num_stages matters.
+# Kernels with a data-dependent loop (the fold over buffered entries), where num_stages can matter.
 PIPELINED_KINDS = frozenset({KernelKind.REPLAY_DECODE, KernelKind.REPLAY_VERIFY})
 NUM_WARPS: tuple[int, ...] = (1, 2, 4, 8)
 NUM_STAGES: tuple[int, ...] = (1, 2, 3)
