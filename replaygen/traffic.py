@@ -153,10 +153,11 @@ def baseline_verify_bytes(spec: Spec, shape: TargetShape, act: DType, tokens: in
     return StepBytes(s, tokens * s, 0.0, 0.0, tokens * input_bytes(spec, shape, act), tokens * output_bytes(shape, act))
 
 
-def best_verify_capacity(spec: Spec, shape: TargetShape, act: DType, tokens: int, max_capacity: int = 64, slack: float = 0.02) -> int:
+def best_verify_capacity(spec: Spec, shape: TargetShape, act: DType, tokens: int, max_capacity: int = 32, slack: float = 0.02) -> int:
     """Buffer capacity for windows of T tokens: the smallest power of two L >= 2T whose bytes per verify step
     (every token accepted) are within `slack` of the fewest. Powers of two because the kernels pad the ring
-    tile to one; the smallest because registers and arithmetic grow with L while the bytes barely move."""
+    tile to one; the smallest, and at most 32, because the verify kernel's register tiles grow with L while the
+    bytes barely move."""
     from dataclasses import replace
 
     candidates = [1 << b for b in range(1, max_capacity.bit_length()) if 2 * tokens <= 1 << b <= max_capacity]

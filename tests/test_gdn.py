@@ -79,12 +79,9 @@ def test_odd_sizes_bf16():
     assert_passes(check_speculative(module, spec, ODD, device=DEVICE, act_dtype=torch.bfloat16, batch=4, steps=6, seed=7))
 
 
-DECAY_FIRST = """    b_s = {{ decayed(plan, 'b_s', lg) }}
-{% if plan.delta_rule %}
-    {{ u }} = {{ w }} * ({{ v }} - tl.sum(b_s * {{ k }}[None, :], 1))"""
-CORRECTION_FIRST = """{% if plan.delta_rule %}
-    {{ u }} = {{ w }} * ({{ v }} - tl.sum(b_s * {{ k }}[None, :], 1))
-    b_s = {{ decayed(plan, 'b_s', lg) }}"""
+CORRECTION = "    b_u = b_w * (b_v - tl.sum(b_s * b_k[None, :], 1))"
+# The correction read from S_{t-1} = e^{-g_t} (e^{g_t} S_{t-1}): the current step's decay dropped.
+CORRECTION_WITHOUT_DECAY = "    b_u = b_w * (b_v - tl.sum(b_s * tl.exp(-b_lg) * b_k[None, :], 1))"
 
 
 def test_catches_the_correction_without_the_current_decay(tmp_path, monkeypatch):
@@ -93,8 +90,8 @@ def test_catches_the_correction_without_the_current_decay(tmp_path, monkeypatch)
     mutated = tmp_path / "templates"
     shutil.copytree(ROOT / "templates", mutated)
     macros = (mutated / "macros.j2").read_text()
-    assert DECAY_FIRST in macros
-    (mutated / "macros.j2").write_text(macros.replace(DECAY_FIRST, CORRECTION_FIRST))
+    assert macros.count(CORRECTION) == 1
+    (mutated / "macros.j2").write_text(macros.replace(CORRECTION, CORRECTION_WITHOUT_DECAY))
     monkeypatch.setenv("REPLAYGEN_TEMPLATES", str(mutated))
     spec = gdn()
     module = load_kernels(spec, SHAPE)
