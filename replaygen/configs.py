@@ -40,9 +40,6 @@ class Route(enum.Enum):
 # Value rows per cursor copy; block_v must be a multiple (each program owns whole copies).
 CURSOR_GRAIN = 8
 
-# Kernels that fold ring entries into a state with tl.dot (every operand dimension >= 16).
-FOLDING_KINDS = frozenset({KernelKind.REPLAY_DECODE, KernelKind.REPLAY_VERIFY, KernelKind.MATERIALIZE})
-
 # Batch-size buckets a dispatch table distinguishes; the last one is open-ended.
 BATCH_BUCKETS: tuple[int, ...] = (1, 8, 32, 128, 256, 512)
 
@@ -77,8 +74,6 @@ def validate_config(kind: KernelKind, shape: TargetShape, config: KernelConfig) 
     """Reject configs no kernel can run, before anything is compiled."""
     if config.block_v < CURSOR_GRAIN or config.block_v & (config.block_v - 1):
         raise UnsupportedShapeError(f"{kind.value}: block_v={config.block_v} must be a power of two >= {CURSOR_GRAIN}")
-    if kind in FOLDING_KINDS and config.block_v < 16:
-        raise UnsupportedShapeError(f"{kind.value}: block_v={config.block_v} must be >= 16 (the ring is folded with tl.dot)")
     if config.block_v > max(16, _next_pow2(shape.value_dim)):
         raise UnsupportedShapeError(f"{kind.value}: block_v={config.block_v} exceeds value_dim={shape.value_dim} rounded up")
     if config.num_warps not in (1, 2, 4, 8, 16):

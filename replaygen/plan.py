@@ -23,9 +23,6 @@ from replaygen.spec.model import (
     VectorTransform,
 )
 
-# tl.dot operands need every dimension >= 16: ring and key tiles are padded to it.
-DOT_MIN = 16
-
 TORCH_DTYPES = {DType.FLOAT32: "torch.float32", DType.BFLOAT16: "torch.bfloat16", DType.FLOAT16: "torch.float16"}
 
 
@@ -115,8 +112,8 @@ def plan_module(
         gpu=gpu,
         configs=dict(configs),
         config_source=config_source,
-        block_k=max(DOT_MIN, _next_pow2(shape.key_dim)),
-        block_l=max(DOT_MIN, _next_pow2(shape.capacity)),
+        block_k=_next_pow2(shape.key_dim),
+        block_l=_next_pow2(shape.capacity),
         state_stride_v=shape.key_dim if value_key else 1,
         state_stride_k=1 if value_key else shape.value_dim,
         channel_decay=channel,
