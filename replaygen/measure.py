@@ -82,6 +82,23 @@ def capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def cold_layers(spec: Spec, shape: TargetShape, batch: int, device: torch.device) -> int:
+    """Enough independent layer states that together they exceed 4x the GPU's L2 (at least 2)."""
+    per_layer = batch * state_bytes(spec, shape)
+    return max(2, min(MAX_LAYERS, math.ceil(4 * l2_bytes(device) / per_layer)))
+
+
+def random_replay_states(module: ModuleType, layers: int, batch: int, act_dtype: torch.dtype, device: torch.device) -> list:
+    """`layers` replay states of `batch` slots with random checkpoints and ring contents (never zeros)."""
+    states = [module.allocate(batch, device, act_dtype) for _ in range(layers)]
+    for state in states:
+        state.checkpoint.normal_(0, 0.5)
+        for buf in state.buffers():
+            buf.normal_(0, 0.5)
+        state.buf_log_decay.uniform_(-1.0, -0.01)
+    return states
+
+
 class DecodeWorkload:
     """Layer states and inputs for timing one module's decode kernels at one batch size."""
 
@@ -100,21 +117,13 @@ class DecodeWorkload:
         self.module = module
         self.batch = batch
         self.shape = shape
-        if layers is None:
-            per_layer = batch * state_bytes(spec, shape)
-            layers = max(2, min(MAX_LAYERS, math.ceil(4 * l2_bytes(device) / per_layer)))
-        self.layers = layers
+        self.layers = layers or cold_layers(spec, shape, batch, device)
         factory = InputFactory(spec, shape, device, act_dtype, seed)
         self.weights = factory.weights()
         self.inputs = [factory.step(batch, use_gate=False) for _ in range(self.layers)]
         self.slots = torch.arange(batch, dtype=torch.int32, device=device)
-        self.replay = [module.allocate(batch, device, act_dtype) for _ in range(self.layers)]
+        self.replay = random_replay_states(module, self.layers, batch, act_dtype, device)
         self.baseline = [module.allocate_baseline(batch, device) for _ in range(self.layers)]
-        for state in self.replay:
-            state.checkpoint.normal_(0, 0.5)
-            for buf in state.buffers():
-                buf.normal_(0, 0.5)
-            state.buf_log_decay.uniform_(-1.0, -0.01)
         for state in self.baseline:
             state.normal_(0, 0.5)
 
@@ -173,23 +182,15 @@ class VerifyWorkload:
         self.module = module
         self.batch = batch
         self.tokens = tokens
-        if layers is None:
-            per_layer = batch * state_bytes(spec, shape)
-            layers = max(2, min(MAX_LAYERS, math.ceil(4 * l2_bytes(device) / per_layer)))
-        self.layers = layers
+        self.layers = layers or cold_layers(spec, shape, batch, device)
         factory = InputFactory(spec, shape, device, act_dtype, seed)
         self.weights = factory.weights()
-        self.inputs = [factory.window(batch, tokens, use_gate=False) for _ in range(layers)]
+        self.inputs = [factory.window(batch, tokens, use_gate=False) for _ in range(self.layers)]
         self.slots = torch.arange(batch, dtype=torch.int32, device=device)
-        self.replay = [module.allocate(batch, device, act_dtype) for _ in range(layers)]
-        for state in self.replay:
-            state.checkpoint.normal_(0, 0.5)
-            for buf in state.buffers():
-                buf.normal_(0, 0.5)
-            state.buf_log_decay.uniform_(-1.0, -0.01)
+        self.replay = random_replay_states(module, self.layers, batch, act_dtype, device)
         self.snapshots = []
         if with_baseline:
-            for _ in range(layers):
+            for _ in range(self.layers):
                 snapshots, current = module.allocate_snapshots(batch, device, tokens)
                 snapshots.normal_(0, 0.5)
                 self.snapshots.append((snapshots, current))
