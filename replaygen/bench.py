@@ -49,6 +49,7 @@ from replaygen.traffic import (
     replay_decode_bytes,
     replay_verify_bytes,
     spec_slot_memory,
+    state_bytes,
     verify_flush_period,
 )
 
@@ -118,9 +119,11 @@ class MemoryRow:
     shape: str
     tokens: int
     capacity: int
+    decode_bytes_per_slot: int  # standard decode, one recurrent state
     snapshot_bytes_per_slot: int
     replay_bytes_per_slot: int
     budget_bytes: int
+    max_sequences_decode: int
     max_sequences_snapshot: int
     max_sequences_replay: int
 
@@ -547,21 +550,26 @@ def format_verify_rows(rows: list[VerifyRow]) -> str:
 
 
 def memory_rows(spec: Spec, shape: TargetShape, act: DType, windows: list[int], budget: int = 40 << 30) -> list[MemoryRow]:
-    """Bytes per slot and the most sequences a fixed state budget holds: one snapshot per window token vs replay."""
+    """Bytes per slot and the most sequences a fixed state budget holds: standard decode (one state), speculative
+    decode with one snapshot per window token, and replay."""
     rows = []
+    decode = state_bytes(spec, shape)
     for tokens in windows:
         vshape = verify_shape(shape, spec, act, tokens)
         snap, rep = spec_slot_memory(spec, vshape, act, tokens)
-        rows.append(MemoryRow(shape.name, tokens, vshape.capacity, snap, rep, budget, budget // snap, budget // rep))
+        rows.append(MemoryRow(shape.name, tokens, vshape.capacity, decode, snap, rep, budget, budget // decode, budget // snap, budget // rep))
     return rows
 
 
 def format_memory_rows(rows: list[MemoryRow]) -> str:
-    lines = [f"{'shape':<16}{'T':>3}{'L':>4}{'snapshot B/slot':>17}{'replay B/slot':>15}{'max seqs (snap)':>17}{'max seqs (replay)':>19}{'ratio':>7}"]
+    lines = [
+        f"{'shape':<16}{'T':>3}{'L':>4}{'decode B/slot':>15}{'snapshot B/slot':>17}{'replay B/slot':>15}"
+        f"{'max seqs (decode)':>19}{'max seqs (snap)':>17}{'max seqs (replay)':>19}{'ratio':>7}"
+    ]
     for r in rows:
         lines.append(
-            f"{r.shape:<16}{r.tokens:>3}{r.capacity:>4}{r.snapshot_bytes_per_slot:>17,}{r.replay_bytes_per_slot:>15,}"
-            f"{r.max_sequences_snapshot:>17,}{r.max_sequences_replay:>19,}{r.max_sequences_replay / r.max_sequences_snapshot:>7.2f}"
+            f"{r.shape:<16}{r.tokens:>3}{r.capacity:>4}{r.decode_bytes_per_slot:>15,}{r.snapshot_bytes_per_slot:>17,}{r.replay_bytes_per_slot:>15,}"
+            f"{r.max_sequences_decode:>19,}{r.max_sequences_snapshot:>17,}{r.max_sequences_replay:>19,}{r.max_sequences_replay / r.max_sequences_snapshot:>7.2f}"
         )
     return "\n".join(lines)
 

@@ -71,6 +71,8 @@ def test_bench_rows_and_json(mamba2, tmp_path, fake_gpu):
     assert memory["snapshot_bytes_per_slot"] == 2 * 4 * 8 * 16 * 4  # T=2 snapshots of the fp32 state
     assert memory["max_sequences_snapshot"] == memory["budget_bytes"] // memory["snapshot_bytes_per_slot"]
     assert memory["max_sequences_replay"] == memory["budget_bytes"] // memory["replay_bytes_per_slot"]
+    assert memory["decode_bytes_per_slot"] == 4 * 8 * 16 * 4  # one fp32 state
+    assert memory["max_sequences_decode"] == memory["budget_bytes"] // memory["decode_bytes_per_slot"]
 
 
 def test_capacity_sweep(mamba2, monkeypatch, fake_gpu):
