@@ -37,6 +37,9 @@ class Route(enum.Enum):
     STATE_AND_OUTPUT = "state_and_output"
 
 
+# tl.dot's smallest operand side: the ring fold uses it when a value block has this many rows.
+MIN_DOT = 16
+
 # Value rows per cursor copy; block_v must be a multiple (each program owns whole copies).
 CURSOR_GRAIN = 8
 
@@ -51,6 +54,7 @@ class KernelConfig:
     num_stages: int = 1
     route: Route = Route.OUTPUT_ONLY  # replay decode only
     flush_at: int = 0  # replay decode only; 0 means the capacity L
+    prefetch_ring: bool = True  # replay kernels: load every ring position without waiting for the cursor
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -59,6 +63,7 @@ class KernelConfig:
             "num_stages": self.num_stages,
             "route": self.route.value,
             "flush_at": self.flush_at,
+            "prefetch_ring": self.prefetch_ring,
         }
 
 

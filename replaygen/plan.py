@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from replaygen.configs import BucketConfig, KernelConfig, KernelKind, validate_config
+from replaygen.configs import MIN_DOT, BucketConfig, KernelConfig, KernelKind, validate_config
 from replaygen.errors import UnsupportedShapeError
 from replaygen.spec.model import (
     CacheField,
@@ -56,7 +56,7 @@ class ModulePlan:
     config_source: str  # "defaults" or the tuning record it came from
     # sizes
     block_k: int
-    block_l: int
+    block_r: int  # ring tile rows: RING = capacity + window positions, at least 16 (tl.dot)
     state_stride_v: int
     state_stride_k: int
     # recurrence switches
@@ -112,8 +112,8 @@ def plan_module(
         gpu=gpu,
         configs=dict(configs),
         config_source=config_source,
-        block_k=_next_pow2(shape.key_dim),
-        block_l=_next_pow2(shape.capacity),
+        block_k=max(MIN_DOT, _next_pow2(shape.key_dim)),
+        block_r=max(MIN_DOT, _next_pow2(shape.capacity + shape.window)),
         state_stride_v=shape.key_dim if value_key else 1,
         state_stride_k=1 if value_key else shape.value_dim,
         channel_decay=channel,
