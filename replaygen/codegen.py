@@ -16,7 +16,7 @@ from pathlib import Path
 import jinja2
 
 from replaygen import __version__
-from replaygen.configs import CURSOR_GRAIN, MIN_DOT, KernelKind
+from replaygen.configs import CURSOR_GRAIN, KernelKind
 from replaygen.plan import TORCH_DTYPES, ModulePlan
 from replaygen.spec.model import StateLayout
 
@@ -105,7 +105,6 @@ def render_module(plan: ModulePlan) -> str:
         value_like=sorted(value_like),
         config_tables=[(kind.value, plan.configs[kind]) for kind in KernelKind],
         cursor_grain=CURSOR_GRAIN,
-        min_dot=MIN_DOT,
     )
 
 

@@ -37,7 +37,7 @@ class Route(enum.Enum):
     STATE_AND_OUTPUT = "state_and_output"
 
 
-# tl.dot's smallest operand side: the ring fold uses it when a value block has this many rows.
+# tl.dot's smallest operand side (the fold_dot option).
 MIN_DOT = 16
 
 # Value rows per cursor copy; block_v must be a multiple (each program owns whole copies).
@@ -55,6 +55,11 @@ class KernelConfig:
     route: Route = Route.OUTPUT_ONLY  # replay decode only
     flush_at: int = 0  # replay decode only; 0 means the capacity L
     prefetch_ring: bool = True  # replay kernels: load every ring position without waiting for the cursor
+    fold_chunk: int = 4  # replay kernels: buffered entries loaded together per step of the fold loop
+    fold_dot: bool = False  # replay kernels: fold the ring by one tensor-core product (tf32x3) instead of a loop
+    precompute_scores: bool = False  # replay decode: entry scores once per key head in a small kernel first
+    fused_flush: bool = True  # replay decode: fold full buffers in the decode kernel, or in a second launch
+    max_registers: int = 0  # per-thread register cap (ptxas maxnreg; more programs per SM); 0 = the compiler's choice
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -64,6 +69,11 @@ class KernelConfig:
             "route": self.route.value,
             "flush_at": self.flush_at,
             "prefetch_ring": self.prefetch_ring,
+            "fold_chunk": self.fold_chunk,
+            "fold_dot": self.fold_dot,
+            "precompute_scores": self.precompute_scores,
+            "fused_flush": self.fused_flush,
+            "max_registers": self.max_registers,
         }
 
 
@@ -85,6 +95,12 @@ def validate_config(kind: KernelKind, shape: TargetShape, config: KernelConfig) 
         raise UnsupportedShapeError(f"{kind.value}: num_warps={config.num_warps} must be 1, 2, 4, 8 or 16")
     if not 1 <= config.num_stages <= 4:
         raise UnsupportedShapeError(f"{kind.value}: num_stages={config.num_stages} must be 1..4")
+    if config.fold_chunk not in (1, 2, 4, 8):
+        raise UnsupportedShapeError(f"{kind.value}: fold_chunk={config.fold_chunk} must be 1, 2, 4 or 8")
+    if config.fold_dot and (config.block_v < MIN_DOT or shape.key_dim < MIN_DOT):
+        raise UnsupportedShapeError(f"{kind.value}: fold_dot needs block_v and key_dim >= {MIN_DOT} (tl.dot), got {config.block_v}, {shape.key_dim}")
+    if config.max_registers and not 24 <= config.max_registers <= 255:
+        raise UnsupportedShapeError(f"{kind.value}: max_registers={config.max_registers} must be 0 (no cap) or 24..255")
     if not 0 <= config.flush_at <= shape.capacity:
         raise UnsupportedShapeError(f"{kind.value}: flush_at={config.flush_at} must be 0 (= L) or 1..L={shape.capacity}")
 

@@ -170,9 +170,15 @@ class Schedule:
         return [self.row_slot[r] if a else -1 for r, a in enumerate(self.active(step))]
 
 
+def _slot_memory(replay: object) -> tuple[torch.Tensor, ...]:
+    """Every per-slot tensor of a replay state: state, rings, cursors and the per-step workspaces."""
+    return (replay.checkpoint, *replay.buffers(), replay.cursor, replay.scores, replay.pending)
+
+
 def _untouched(replay: object, extra: tuple[tuple[str, torch.Tensor], ...], unused: list[int]) -> list[str]:
     problems = []
-    for name, tensor in (("checkpoint", replay.checkpoint), ("cursor", replay.cursor), *extra):
+    named = (("checkpoint", replay.checkpoint), ("cursor", replay.cursor), ("scores", replay.scores), ("pending", replay.pending))
+    for name, tensor in (*named, *extra):
         if not _still_poisoned(tensor, unused):
             problems.append(f"{name} of unused slots {unused}")
     for index, tensor in enumerate(replay.buffers()):
@@ -206,7 +212,7 @@ def check_decode(
     baseline = module.allocate_baseline(plan.num_slots, device)
     reference = Reference(spec, shape, plan.num_slots)
     all_slots = list(range(plan.num_slots))
-    for tensor in (replay.checkpoint, *replay.buffers(), replay.cursor, baseline):
+    for tensor in (*_slot_memory(replay), baseline):
         _poison(tensor, all_slots)
     errors = KernelErrors()
     for step in range(steps):
@@ -289,7 +295,7 @@ def check_speculative(
     snapshots, current = module.allocate_snapshots(plan.num_slots, device, tokens)
     reference = Reference(spec, shape, plan.num_slots)
     all_slots = list(range(plan.num_slots))
-    for tensor in (replay.checkpoint, *replay.buffers(), replay.cursor, snapshots):
+    for tensor in (*_slot_memory(replay), snapshots):
         _poison(tensor, all_slots)
     low = 1 if compare_baseline else 0
     errors = KernelErrors()

@@ -56,7 +56,7 @@ class ModulePlan:
     config_source: str  # "defaults" or the tuning record it came from
     # sizes
     block_k: int
-    block_r: int  # ring tile rows: RING = capacity + window positions, at least 16 (tl.dot)
+    block_r: int  # ring tile rows: RING = capacity + window positions, at least MIN_DOT (fold_dot)
     state_stride_v: int
     state_stride_k: int
     # recurrence switches
@@ -100,6 +100,8 @@ def plan_module(
             raise UnsupportedShapeError(f"{kind.value}: a dispatch table must end with an open-ended bucket")
         for bucket in table:
             validate_config(kind, shape, bucket.config)
+            if bucket.config.precompute_scores and spec.decay.granularity is DecayGranularity.CHANNEL:
+                raise UnsupportedShapeError(f"{kind.value}: precompute_scores needs a per-head decay (per-channel decay weighs the keys' channels)")
     missing = set(KernelKind) - set(configs)
     if missing:
         raise UnsupportedShapeError(f"no configs for kernels: {', '.join(sorted(k.value for k in missing))}")
@@ -112,7 +114,7 @@ def plan_module(
         gpu=gpu,
         configs=dict(configs),
         config_source=config_source,
-        block_k=max(MIN_DOT, _next_pow2(shape.key_dim)),
+        block_k=_next_pow2(shape.key_dim),
         block_r=max(MIN_DOT, _next_pow2(shape.capacity + shape.window)),
         state_stride_v=shape.key_dim if value_key else 1,
         state_stride_k=1 if value_key else shape.value_dim,
