@@ -68,8 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None, help="folder for the PNGs (default: the JSON's folder)")
 
     p = sub.add_parser("tune", help="search the kernels' launch configs on this GPU and record every trial", description=(
-        "Per shape, batch size and kernel, search the launch configs (block_v, warps, stages; route and flush threshold for "
-        "replay decode) with Optuna, or every candidate with --exhaustive. Each candidate is checked against the float64 "
+        "Per shape, batch size and kernel, search the launch configs (block_v, warps, register cap; for replay decode the "
+        "route, flush threshold, precomputed scores and a fused or separate flush; for the replay kernels the ring prefetch "
+        "and how the fold runs) with Optuna, or every candidate with --exhaustive. Each candidate is checked against the float64 "
         "reference, then timed as bench does (cold state, whole flush cycles, CUDA graphs). Every trial is written to "
         "OUT/GPU/SPEC_SHAPE.json as it ends; `replaygen build --gpu GPU` bakes the winners in."))
     _add_spec(p)

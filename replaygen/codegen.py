@@ -16,7 +16,7 @@ from pathlib import Path
 import jinja2
 
 from replaygen import __version__
-from replaygen.configs import CURSOR_GRAIN, KernelKind
+from replaygen.configs import CURSOR_GRAIN, FLUSH_BLOCK_V, FLUSH_NUM_WARPS, FLUSH_PROGRAMS_PER_SM, KernelKind
 from replaygen.plan import TORCH_DTYPES, ModulePlan
 from replaygen.spec.model import StateLayout
 
@@ -105,6 +105,9 @@ def render_module(plan: ModulePlan) -> str:
         value_like=sorted(value_like),
         config_tables=[(kind.value, plan.configs[kind]) for kind in KernelKind],
         cursor_grain=CURSOR_GRAIN,
+        flush_block_v=FLUSH_BLOCK_V,
+        flush_num_warps=FLUSH_NUM_WARPS,
+        flush_programs_per_sm=FLUSH_PROGRAMS_PER_SM,
     )
 
 

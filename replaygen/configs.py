@@ -40,6 +40,13 @@ class Route(enum.Enum):
 # tl.dot's smallest operand side (the fold_dot option).
 MIN_DOT = 16
 
+# The separate flush launch (configs without fused_flush) streams whole states like the baseline decode; it keeps
+# this launch shape whatever the decode's: 16 value rows, 4 warps (about 100-170 registers with the fold loop),
+# FLUSH_PROGRAMS_PER_SM persistent programs per multiprocessor.
+FLUSH_BLOCK_V = 16
+FLUSH_NUM_WARPS = 4
+FLUSH_PROGRAMS_PER_SM = 4
+
 # Value rows per cursor copy; block_v must be a multiple (each program owns whole copies).
 CURSOR_GRAIN = 8
 
@@ -106,18 +113,29 @@ def validate_config(kind: KernelKind, shape: TargetShape, config: KernelConfig) 
 
 
 def default_configs(kind: KernelKind, shape: TargetShape) -> tuple[BucketConfig, ...]:
-    """Hand-picked defaults for one kernel kind (used when no tuning record is applied)."""
-    block_v = 16
+    """Hand-picked defaults for one kernel kind (used when no tuning record is applied).
+
+    Picked from H100 measurements (docs/perf.md, entries 7-9); a tuning record replaces them per GPU:
+    - replay decode: up to batch 8, 32 value rows, 4 warps, the flush fused into the decode kernel; above,
+      a separate flush launch (the decode kernel keeps no fold registers), 64 value rows for states of up to
+      64 x 128 values and 32 beyond; flush every L steps. Precomputed scores need a per-head decay, so they
+      are left to the tuner.
+    - replay verify: 32 value rows, 4 warps, the flush folds by one tensor-core product.
+    - the others: 16 value rows, 4 warps (the baseline streams the state at the copy bandwidth so).
+    """
+    cap = max(16, _next_pow2(shape.value_dim))
     if kind is KernelKind.REPLAY_DECODE:
+        wide = 64 if shape.value_dim * shape.key_dim <= 64 * 128 else 32
         return (
-            BucketConfig(1, KernelConfig(block_v=block_v, num_warps=4, flush_at=1)),
-            BucketConfig(None, KernelConfig(block_v=block_v, num_warps=4, flush_at=0)),
+            BucketConfig(8, KernelConfig(block_v=min(32, cap), num_warps=4)),
+            BucketConfig(None, KernelConfig(block_v=min(wide, cap), num_warps=4, fused_flush=False)),
         )
     if kind is KernelKind.REPLAY_VERIFY:
-        return (BucketConfig(None, KernelConfig(block_v=block_v, num_warps=8)),)
+        block_v = min(32, cap)
+        return (BucketConfig(None, KernelConfig(block_v=block_v, num_warps=4, fold_dot=block_v >= MIN_DOT and shape.key_dim >= MIN_DOT)),)
     if kind is KernelKind.COMMIT:
         return (BucketConfig(None, KernelConfig(block_v=max(CURSOR_GRAIN, _next_pow2(shape.value_dim)), num_warps=1)),)
-    return (BucketConfig(None, KernelConfig(block_v=block_v, num_warps=4)),)
+    return (BucketConfig(None, KernelConfig(block_v=16, num_warps=4)),)
 
 
 def _next_pow2(n: int) -> int:

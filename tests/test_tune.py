@@ -72,21 +72,29 @@ def test_space_of_the_main_shape(mamba2):
     shape = mamba2.shape("nemotron-h")
     space = derive_space(RD, shape, batch=128)
     choices = {p.name: p.choices for p in space.parameters}
+    both = (False, True)
     assert choices == {
         "block_v": (8, 16, 32, 64),
         "num_warps": (1, 2, 4, 8),
-        "num_stages": (1, 2, 3),
+        "num_stages": (1,),
+        "max_registers": (0, 128),
         "route": ("output_only", "state_and_output"),
         "flush_at": tuple(range(1, 17)),
+        "precompute_scores": both,
+        "fused_flush": both,
+        "prefetch_ring": both,
+        "fold_chunk": (1, 2, 4),
+        "fold_dot": both,
     }
-    assert space.size == 4 * 4 * 3 * 2 * 16
-    assert space.default == KernelConfig(block_v=16, num_warps=4, flush_at=16)  # the default's 0 written as L
+    assert space.size == 4 * 4 * 2 * 2 * 16 * 2 * 2 * 2 * 3 * 2
+    assert space.default == KernelConfig(block_v=64, num_warps=4, flush_at=16, fused_flush=False)  # the default's 0 written as L
     assert space.candidates()[0] == space.default
-    assert derive_space(RD, shape, batch=1).default.flush_at == 1
+    assert derive_space(RD, shape, batch=1).default == KernelConfig(block_v=32, num_warps=4, flush_at=16)
+    assert {p.name for p in derive_space(RD, shape, 128, channel_decay=True).free} == set(choices) - {"num_stages", "precompute_scores"}
     baseline = derive_space(BD, shape, batch=8)
-    assert [p.name for p in baseline.free] == ["block_v", "num_warps"]  # no loop: num_stages fixed; no route, no flush
+    assert [p.name for p in baseline.free] == ["block_v", "num_warps"]  # no loop, no route, no flush, no register cap
     assert len(baseline.candidates()) == 15  # 16 points, block_v=64 on one warp spills
-    assert {p.name for p in derive_space(RV, shape, 8).free} == {"block_v", "num_warps", "num_stages"}
+    assert {p.name for p in derive_space(RV, shape, 8).free} == {"block_v", "num_warps", "max_registers", "prefetch_ring", "fold_chunk", "fold_dot"}
 
 
 def test_pruning_rules(mamba2):
@@ -96,6 +104,12 @@ def test_pruning_rules(mamba2):
     assert space.prune_reason(KernelConfig(block_v=64, num_warps=2, flush_at=8)) is None  # 128 per thread
     assert space.prune_reason(KernelConfig(block_v=16, flush_at=1, route=Route.STATE_AND_OUTPUT)) is PruneRule.UNUSED_ROUTE
     assert space.prune_reason(KernelConfig(block_v=24, flush_at=8)) is PruneRule.INVALID
+    assert space.prune_reason(KernelConfig(block_v=8, flush_at=8, fold_dot=True)) is PruneRule.INVALID  # tl.dot needs 16 rows
+    state_route = KernelConfig(block_v=16, flush_at=8, route=Route.STATE_AND_OUTPUT)
+    assert space.prune_reason(replace(state_route, precompute_scores=True)) is PruneRule.UNUSED_SCORES
+    assert space.prune_reason(replace(state_route, fused_flush=False)) is PruneRule.REFOLD
+    assert space.prune_reason(KernelConfig(block_v=16, flush_at=8, fused_flush=False, fold_dot=True)) is PruneRule.UNUSED_DOT
+    assert space.prune_reason(KernelConfig(block_v=16, flush_at=8, fused_flush=False, precompute_scores=True)) is None
     small = derive_space(BD, SMALL, batch=8)  # tile 8 x 16 = 128 elements
     assert small.prune_reason(KernelConfig(block_v=8, num_warps=8)) is PruneRule.IDLE_THREADS  # 256 threads
     assert small.prune_reason(KernelConfig(block_v=8, num_warps=4)) is None
@@ -116,8 +130,8 @@ def test_fix_and_space_key(mamba2):
     shape = mamba2.shape("nemotron-h")
     space = derive_space(RD, shape, batch=128)
     assert space.key() == derive_space(RD, shape, batch=128).key()
-    fixed = space.fix("flush_at", "16").fix("route", "output_only")
-    assert fixed.size == 4 * 4 * 3 and fixed.key() != space.key()
+    fixed = space.fix("flush_at", "16").fix("route", "output_only").fix("fold_dot", "False")
+    assert fixed.size == 4 * 4 * 2 * 2 * 2 * 2 * 3 and fixed.key() != space.key()
     assert derive_space(RD, replace(shape, capacity=8), batch=128).key() != space.key()
     with pytest.raises(Exception, match="flush_at in 1"):
         space.fix("flush_at", "99")
@@ -173,7 +187,7 @@ def test_each_key_input_changes_its_part_only(mamba2, monkeypatch, tmp_path):
 def test_candidate_runs_the_config_everywhere_and_defaults_elsewhere(mamba2):
     config = KernelConfig(block_v=16, num_warps=2, flush_at=3)
     source = render_candidate(mamba2, SHAPE, RD, config).source
-    assert "_REPLAY_DECODE_CONFIGS = (\n    (None, {'block_v': 16, 'num_warps': 2, 'num_stages': 1, 'route': 'output_only', 'flush_at': 3})," in source
+    assert "_REPLAY_DECODE_CONFIGS = (\n    (None, " + repr(config.as_dict()) + ")," in source
     assert '"gpu": "any"' in source
 
 
@@ -292,7 +306,7 @@ def test_build_bakes_winners_per_bucket(mamba2, tmp_path, capsys):
     module = out / "h100" / "mamba2_nemotron_h.py"
     assert table(module, RD) == [(1, fast1.as_dict()), (None, fast8.as_dict())]  # b8 and b512 share one winner
     assert table(module, BD) == [(None, base.as_dict())]
-    assert table(module, KernelKind.COMMIT) == [(None, {"block_v": 64, "num_warps": 1, "num_stages": 1, "route": "output_only", "flush_at": 0})]
+    assert table(module, KernelKind.COMMIT) == [(None, KernelConfig(block_v=64, num_warps=1).as_dict())]
     assert path.name in module.read_text()
 
 
@@ -470,17 +484,20 @@ def test_a_trial_left_running_by_a_killed_run_does_not_hide_the_default(mamba2, 
 
 
 def test_exhaustive_mode_and_optuna_on_an_enumerable_space(mamba2, tmp_path):
-    fixed = (("flush_at", "16"), ("route", "output_only"))
+    fixed = (("flush_at", "16"), ("route", "output_only"), ("max_registers", "0"), ("precompute_scores", "False"), ("fused_flush", "True"),
+             ("prefetch_ring", "True"), ("fold_chunk", "4"), ("fold_dot", "False"))
     exhaustive, store, _ = run(mamba2, tmp_path / "ex", (RD,), (128,), mode=Mode.EXHAUSTIVE, fixed=fixed)
-    space = derive_space(RD, mamba2.shape("nemotron-h"), 128).fix("flush_at", "16").fix("route", "output_only")
+    space = derive_space(RD, mamba2.shape("nemotron-h"), 128)
+    for name, value in fixed:
+        space = space.fix(name, value)
     (ex,) = exhaustive
-    assert ex.trials == ex.measured == len(space.candidates()) == 48 - ex.pruned
+    assert ex.trials == ex.measured == len(space.candidates()) == 16 - ex.pruned
     assert ex.best.config == KernelConfig(block_v=32, num_warps=4, num_stages=1, flush_at=16)
     assert ex.best.value == min(fake_ms(c) * 128 for c in space.candidates())
     assert {t.study for t in store.trials} == {"exhaustive"}
-    optuna_results, _, _ = run(mamba2, tmp_path / "opt", (RD,), (128,), trials=15, fixed=fixed)
+    optuna_results, _, _ = run(mamba2, tmp_path / "opt", (RD,), (128,), trials=8, fixed=fixed)
     (opt,) = optuna_results
-    assert opt.trials == 15 and opt.measured <= 15 and opt.best.value >= ex.best.value
+    assert opt.trials == 8 and opt.measured <= 8 and opt.best.value >= ex.best.value
     rows = summary_rows([ex, opt])
     assert [r.mode for r in rows] == ["exhaustive", "optuna"] and rows[0].trials == ex.trials
 

@@ -16,9 +16,15 @@ BASELINE_OF = {KernelKind.REPLAY_DECODE: KernelKind.BASELINE_DECODE, KernelKind.
 
 
 def describe(config: KernelConfig, kind: KernelKind) -> str:
-    text = f"bv={config.block_v} w={config.num_warps} st={config.num_stages}"
+    text = f"bv={config.block_v} w={config.num_warps}"
+    if config.max_registers:
+        text += f" maxreg={config.max_registers}"
     if kind is KernelKind.REPLAY_DECODE:
         text += f" {config.route.value} flush={config.flush_at}"
+        text += " scores" if config.precompute_scores else ""
+        text += "" if config.fused_flush else " flush-launch"
+    if kind in BASELINE_OF:
+        text += f" chunk={config.fold_chunk}" + (" dot" if config.fold_dot else "") + ("" if config.prefetch_ring else " no-prefetch")
     return text
 
 

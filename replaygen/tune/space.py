@@ -1,26 +1,37 @@
 """Search spaces: the launch configs of one kernel kind worth timing at one batch size.
 
-Derived from the shape; every parameter is a knob the kernel templates read
-(nothing else is invented):
+Derived from the shape (and whether the spec's decay is per channel); every parameter is a knob the kernel
+templates read (nothing else is invented):
 
-    block_v     value rows per program: powers of two from CURSOR_GRAIN to max(16, next_pow2(value_dim))
-                (the bound of `configs.validate_config`)
-    num_warps   1, 2, 4, 8
-    num_stages  1, 2, 3 where the kernel has a runtime loop (the replay kernels' fold over
-                buffered entries; it reads register tiles only, so the stages may well not
-                matter: the search measures it); 1 elsewhere (straight-line code ignores it)
-    route       replay_decode only: output_only, state_and_output
-    flush_at    replay_decode only: 1..L
+    block_v           value rows per program: powers of two from CURSOR_GRAIN to max(16, next_pow2(value_dim))
+                      (the bound of `configs.validate_config`)
+    num_warps         1, 2, 4, 8
+    max_registers     replay kernels: 0 (the compiler's choice) or 128 per thread (more programs per
+                      multiprocessor; the baselines stream their state at the copy bandwidth without a cap)
+    route             replay_decode only: output_only, state_and_output
+    flush_at          replay_decode only: 1..L
+    precompute_scores replay_decode only, per-head decay only: entry scores once per key head in a small kernel
+    fused_flush       replay_decode only: fold full buffers in the decode kernel, or in a persistent second launch
+    prefetch_ring     replay kernels: read every ring position without waiting for the cursor
+    fold_chunk        replay kernels: 1, 2, 4 buffered entries loaded together per step of the fold loop
+    fold_dot          replay kernels: fold by one tensor-core product (tf32x3) instead of the loop
+
+num_stages stays 1: no kernel has a loop whose loads Triton's pipeliner could prefetch (the fold's loads are
+unrolled by fold_chunk instead).
 
 Pruning rules, applied to a point before anything is rendered or compiled:
 
-    INVALID       `configs.validate_config` rejects it
-    SPILLS        the fp32 state tile [block_v, next_pow2(key_dim)] needs more than
-                  MAX_TILE_VALUES_PER_THREAD values per thread (32 * num_warps threads): the
-                  tile, its update and the loads cannot stay in 255 registers, so it spills
-    IDLE_THREADS  the state tile has fewer elements than the program has threads
-    UNUSED_ROUTE  flush_at=1 flushes on every step, so the route of non-flush steps never runs:
-                  only output_only is kept
+    INVALID        `configs.validate_config` rejects it (e.g. fold_dot below 16 value rows)
+    SPILLS         the fp32 state tile [block_v, next_pow2(key_dim)] needs more than
+                   MAX_TILE_VALUES_PER_THREAD values per thread (32 * num_warps threads): the
+                   tile, its update and the loads cannot stay in 255 registers, so it spills
+    IDLE_THREADS   the state tile has fewer elements than the program has threads
+    UNUSED_ROUTE   flush_at=1 flushes on every step, so the route of non-flush steps never runs:
+                   only output_only is kept
+    UNUSED_SCORES  the state-and-output route reads the rebuilt state, never the precomputed scores
+    REFOLD         the state-and-output route already forms the state: a separate flush launch would
+                   read the checkpoint again to form it once more
+    UNUSED_DOT     without fused_flush the decode kernel never folds (the flush launch uses the loop)
 
 The kind's documented default (`configs.default_configs`, its bucket for this batch) is the
 reference point of the summary: it is always a candidate, whatever the rules say.
@@ -46,10 +57,11 @@ TUNABLE_KINDS: tuple[KernelKind, ...] = (
     KernelKind.REPLAY_VERIFY,
     KernelKind.BASELINE_VERIFY,
 )
-# Kernels with a data-dependent loop (the fold over buffered entries), where num_stages can matter.
-PIPELINED_KINDS = frozenset({KernelKind.REPLAY_DECODE, KernelKind.REPLAY_VERIFY})
+# Kernels that fold the ring (fold_chunk, fold_dot, prefetch_ring apply).
+REPLAY_KINDS = frozenset({KernelKind.REPLAY_DECODE, KernelKind.REPLAY_VERIFY})
 NUM_WARPS: tuple[int, ...] = (1, 2, 4, 8)
-NUM_STAGES: tuple[int, ...] = (1, 2, 3)
+MAX_REGISTERS: tuple[int, ...] = (0, 128)
+FOLD_CHUNKS: tuple[int, ...] = (1, 2, 4)
 MAX_TILE_VALUES_PER_THREAD = 128
 
 
@@ -66,12 +78,15 @@ class PruneRule(enum.Enum):
     SPILLS = f"state tile needs more than {MAX_TILE_VALUES_PER_THREAD} fp32 values per thread"
     IDLE_THREADS = "state tile has fewer elements than the program has threads"
     UNUSED_ROUTE = "flush_at=1 never runs the route of non-flush steps"
+    UNUSED_SCORES = "the state-and-output route never reads precomputed scores"
+    REFOLD = "the state-and-output route forms the state anyway: a separate flush would form it again"
+    UNUSED_DOT = "without fused_flush the decode kernel never folds"
 
 
 @dataclass(frozen=True)
 class Parameter:
     name: str  # a KernelConfig field
-    choices: tuple[int, ...] | tuple[str, ...]  # route values are Route.value strings
+    choices: tuple[int, ...] | tuple[str, ...] | tuple[bool, ...]  # route values are Route.value strings
     scale: Scale
 
 
@@ -141,8 +156,16 @@ class SearchSpace:
             return PruneRule.SPILLS
         if tile < threads:
             return PruneRule.IDLE_THREADS
-        if self.kind is KernelKind.REPLAY_DECODE and config.flush_at == 1 and config.route is Route.STATE_AND_OUTPUT:
-            return PruneRule.UNUSED_ROUTE
+        if self.kind is KernelKind.REPLAY_DECODE:
+            state_route = config.route is Route.STATE_AND_OUTPUT
+            if config.flush_at == 1 and state_route:
+                return PruneRule.UNUSED_ROUTE
+            if state_route and config.precompute_scores:
+                return PruneRule.UNUSED_SCORES
+            if state_route and not config.fused_flush:
+                return PruneRule.REFOLD
+            if config.fold_dot and not config.fused_flush:
+                return PruneRule.UNUSED_DOT
         return None
 
     def candidates(self) -> tuple[KernelConfig, ...]:
@@ -173,17 +196,25 @@ class SearchSpace:
         return replace(self, parameters=tuple(fixed if p.name == name else p for p in self.parameters))
 
 
-def derive_space(kind: KernelKind, shape: TargetShape, batch: int) -> SearchSpace:
-    """The search space of `kind` for `shape` at batch size `batch`."""
+def derive_space(kind: KernelKind, shape: TargetShape, batch: int, channel_decay: bool = False) -> SearchSpace:
+    """The search space of `kind` for `shape` at batch size `batch` (`channel_decay`: the spec decays per channel)."""
     top = max(16, _next_pow2(shape.value_dim))
     block_v = tuple(1 << e for e in range(CURSOR_GRAIN.bit_length() - 1, top.bit_length()))
-    replay = kind is KernelKind.REPLAY_DECODE
+    decode = kind is KernelKind.REPLAY_DECODE
+    replay = kind in REPLAY_KINDS
+    both = (False, True)
     parameters = (
         Parameter("block_v", block_v, Scale.LOG2),
         Parameter("num_warps", NUM_WARPS, Scale.LOG2),
-        Parameter("num_stages", NUM_STAGES if kind in PIPELINED_KINDS else (1,), Scale.LINEAR),
-        Parameter("route", tuple(r.value for r in Route) if replay else (Route.OUTPUT_ONLY.value,), Scale.CATEGORICAL),
-        Parameter("flush_at", tuple(range(1, shape.capacity + 1)) if replay else (0,), Scale.LINEAR),
+        Parameter("num_stages", (1,), Scale.LINEAR),
+        Parameter("max_registers", MAX_REGISTERS if replay else (0,), Scale.CATEGORICAL),
+        Parameter("route", tuple(r.value for r in Route) if decode else (Route.OUTPUT_ONLY.value,), Scale.CATEGORICAL),
+        Parameter("flush_at", tuple(range(1, shape.capacity + 1)) if decode else (0,), Scale.LINEAR),
+        Parameter("precompute_scores", both if decode and not channel_decay else (False,), Scale.CATEGORICAL),
+        Parameter("fused_flush", both if decode else (True,), Scale.CATEGORICAL),
+        Parameter("prefetch_ring", both if replay else (True,), Scale.CATEGORICAL),
+        Parameter("fold_chunk", FOLD_CHUNKS if replay else (4,), Scale.LOG2),
+        Parameter("fold_dot", both if replay else (False,), Scale.CATEGORICAL),
     )
     return SearchSpace(kind=kind, shape=shape, parameters=parameters, default=default_config(kind, shape, batch))
 

@@ -39,7 +39,7 @@ from optuna.trial import TrialState
 from replaygen.codegen import template_hash
 from replaygen.configs import KernelConfig, KernelKind
 from replaygen.errors import ReplaygenError
-from replaygen.spec.model import Spec, TargetShape
+from replaygen.spec.model import DecayGranularity, Spec, TargetShape
 from replaygen.tune.objective import Evaluator, TuneAborted
 from replaygen.tune.records import Environment, RecordStore, TrialRecord, TrialStatus, canonical_sha256, render_candidate
 from replaygen.tune.space import Scale, SearchSpace, derive_space
@@ -103,7 +103,7 @@ def plan_tasks(spec: Spec, shapes: tuple[TargetShape, ...], kinds: tuple[KernelK
     for shape in shapes:
         for batch in batches:
             for kind in kinds:
-                space = derive_space(kind, shape, batch)
+                space = derive_space(kind, shape, batch, spec.decay.granularity is DecayGranularity.CHANNEL)
                 for name, value in fixed:
                     if name in {p.name for p in space.free}:
                         space = space.fix(name, value)
