@@ -5,7 +5,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from replaygen.harness import check_decode, relative_error
+from replaygen.configs import BucketConfig, KernelConfig, KernelKind
+from replaygen.harness import InputFactory, check_decode, relative_error
+from replaygen.reference import Reference
 from replaygen.runtime import load_kernels
 
 from conftest import DEVICE, ODD, SMALL
@@ -193,3 +195,32 @@ class TestApiErrors:
     def test_allocation_dtype(self, small):
         with pytest.raises(ValueError, match="activation_dtype"):
             small.allocate(2, DEVICE, torch.int8)
+
+
+@pytest.mark.parametrize("config", [
+    pytest.param(dict(block_v=8), id="fused-flush"),
+    pytest.param(dict(block_v=16, fused_flush=False, precompute_scores=True, fold_chunk=2), id="flush-launch-scores"),
+    pytest.param(dict(block_v=16, fold_dot=True, prefetch_ring=False, fold_chunk=1), id="dot-fold-no-prefetch"),
+])
+def test_flush_threshold_changes_between_steps(mamba2, config):
+    """Batch buckets pick their own flush_at (1 = the baseline's step on the checkpoint), so one sequence sees
+    thresholds change from step to step: entries left by a larger threshold must still be folded."""
+    shape = replace(SMALL, value_dim=16, capacity=6, window=1)
+    module = load_kernels(mamba2, shape, {KernelKind.REPLAY_DECODE: (BucketConfig(None, KernelConfig(**config)),)})
+    factory = InputFactory(mamba2, shape, DEVICE, torch.float32, seed=5)
+    weights = factory.weights()
+    state = module.allocate(3, DEVICE, torch.float32)
+    reference = Reference(mamba2, shape, 3)
+    slots = torch.tensor([2, 0], dtype=torch.int32, device=DEVICE)
+    init = factory.states(2, tuple(module.STATE_SHAPE))
+    module.load(state, slots, init)
+    reference.load([2, 0], init.cpu())
+    for step, flush_at in enumerate([5, 5, 5, 1, 6, 6, 2, 3, 1, 1, 4, 4, 4]):
+        inputs = factory.step(2)
+        y = module.decode(state, slots, **inputs, **weights, flush_at=flush_at)
+        y_ref = reference.decode([2, 0], inputs, weights)
+        assert relative_error(y, y_ref) < 1e-4, f"step {step} (flush_at={flush_at})"
+        full = module.materialize(state, slots)
+        assert relative_error(full, reference.to_layout(reference.states[[2, 0]])) < 1e-4, f"state after step {step}"
+        counts = state.cursor[[2, 0], :, :, 1]
+        assert counts.eq(counts.flatten()[0]).all()

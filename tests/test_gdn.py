@@ -6,6 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from replaygen.configs import BucketConfig, KernelConfig, KernelKind
 from replaygen.harness import check_decode, check_speculative
 from replaygen.runtime import load_kernels
 from replaygen.spec import load_spec, load_spec_text
@@ -45,6 +46,19 @@ def test_shipped_spec():
 def test_decode_both_routes_both_layouts(layout_kernels, route):
     spec, module = layout_kernels
     assert_passes(check_decode(module, spec, SHAPE, device=DEVICE, route=route, cycles=3, seed=1))
+
+
+@pytest.mark.parametrize("config", [
+    pytest.param(KernelConfig(block_v=16, precompute_scores=True, fused_flush=False), id="scores-flush-launch"),
+    pytest.param(KernelConfig(block_v=16, precompute_scores=True, fold_dot=True), id="scores-dot-fold"),
+])
+def test_decode_options(config):
+    """Precomputed (k_j . k, k_j . q) scores, the separate flush launch and the tensor-core fold on the delta rule."""
+    spec = gdn("key_value")
+    shape = replace(SHAPE, value_dim=16)
+    module = load_kernels(spec, shape, {KernelKind.REPLAY_DECODE: (BucketConfig(None, config),)})
+    for flush_at in (None, 3):
+        assert_passes(check_decode(module, spec, shape, device=DEVICE, flush_at=flush_at, cycles=2, seed=9))
 
 
 def test_direct_gates(layout_kernels):

@@ -11,7 +11,7 @@ integers, flush_at and num_stages as integers, the route as a category) through 
   kernel starts a fresh study, an unchanged one resumes (the configs it tried count toward
   --trials);
 - --trials counts distinct configs (resumed ones too): the documented default is enqueued
-  first; pruned points are told PRUNED (never compiled); a repeated proposal is told the value
+  first (replay decode then also flush_at=1 in the best recorded baseline's launch shape); pruned points are told PRUNED (never compiled); a repeated proposal is told the value
   it had; neither counts. A config whose trial is already in the records (same kernel key,
   environment, batch and dtype; OK, WRONG or CRASHED) is not measured again: its recorded value is told.
 
@@ -234,6 +234,22 @@ class Tuner:
             )
         return record, False
 
+    def _seeds(self, task: SearchTask) -> tuple[KernelConfig, ...]:
+        """Replay decode also starts from the baseline's step on the checkpoint (flush_at=1) in the launch shape of the
+        best baseline decode recorded at this batch: a bucket where buffering does not pay keeps close to the baseline."""
+        if task.kind is not KernelKind.REPLAY_DECODE:
+            return ()
+        fingerprint = self.environment.fingerprint()
+        baselines = [
+            t for t in self.store.trials
+            if t.key.kind is KernelKind.BASELINE_DECODE and t.batch == task.batch and t.status is TrialStatus.OK
+            and t.environment.fingerprint() == fingerprint and t.activation_dtype == self.settings.activation_dtype
+        ]
+        if not baselines:
+            return ()
+        best = min(baselines, key=lambda t: t.value).config
+        return (KernelConfig(block_v=best.block_v, num_warps=best.num_warps, flush_at=1),)
+
     def _exhaustive(self, task: SearchTask, deadline: float | None) -> SearchResult:
         results: dict[KernelConfig, TrialRecord] = {}
         measured = 0
@@ -255,8 +271,9 @@ class Tuner:
         study = optuna.create_study(study_name=name, storage=self.storage, direction="minimize", load_if_exists=True)
         study.sampler = _sampler(self.settings, len(study.trials))
         dists = distributions(space)
-        if space.contains(space.default):
-            _enqueue_unless_done(study, encode_params(space, space.default))
+        for seed in (space.default, *self._seeds(task)):
+            if space.contains(seed) and (seed == space.default or space.prune_reason(seed) is None):
+                _enqueue_unless_done(study, encode_params(space, seed))
         values: dict[KernelConfig, float] = {}  # every config the study has a value for
         results: dict[KernelConfig, TrialRecord] = {}  # those whose trial is in the records
         for previous in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
