@@ -254,6 +254,43 @@ def bench_decode(
     return rows
 
 
+def bench_tuned_decode(
+    spec: Spec,
+    shape: TargetShape,
+    batches: list[int],
+    act_dtype: torch.dtype,
+    device: torch.device,
+    copy_bw: float,
+    configs: dict[KernelKind, tuple[BucketConfig, ...]],
+) -> list[DecodeRow]:
+    """Baseline and replay decode as `build` bakes them: each batch runs its bucket's tuned config (replay with the
+    bucket's route and flush threshold), both timed on the same workload."""
+    act = TORCH_TO_DTYPE[act_dtype]
+    module = load_kernels(spec, shape, configs, config_source="tuning records")
+    require_decode_match(module, spec, shape, act_dtype, device)
+    rows: list[DecodeRow] = []
+    for batch in batches:
+        base_config = bucket_config(configs[KernelKind.BASELINE_DECODE], batch)
+        replay_config = bucket_config(configs[KernelKind.REPLAY_DECODE], batch)
+        flush_at = replay_config.flush_at or shape.capacity
+        work = DecodeWorkload(module, spec, shape, batch, act_dtype, device)
+        base = work.time_baseline(shape.capacity, repeats=20)
+        replay = work.time_replay(replay_config.route.value, flush_at, repeats=20)
+        del work
+        torch.cuda.empty_cache()
+        base_bytes = baseline_decode_bytes(spec, shape, act).total * batch
+        replay_bytes = replay_decode_bytes(spec, shape, act, flush_at).total * batch
+        rows.append(decode_row(shape, batch, "baseline", 1, base_config.as_dict(), base, base_bytes, copy_bw, base.median_ms))
+        rows.append(decode_row(shape, batch, f"replay/{replay_config.route.value}", flush_at, replay_config.as_dict(), replay, replay_bytes, copy_bw, base.median_ms))
+        log.info("%s b=%d tuned: baseline %.4f ms, replay %.4f ms", shape.name, batch, base.median_ms, replay.median_ms)
+    return rows
+
+
+def bucket_config(table: tuple[BucketConfig, ...], batch: int) -> KernelConfig:
+    """The config a dispatch table runs at `batch` (the generated modules' `_pick`)."""
+    return next(b.config for b in table if b.max_batch is None or batch <= b.max_batch)
+
+
 def _config_text(config: dict[str, object]) -> str:
     return f"bv={config['block_v']} w={config['num_warps']}" if config else "-"
 
@@ -593,12 +630,14 @@ def run(
     capacities: list[int] | None = None,
     capacity_batches: list[int] | None = None,
     plots: bool = False,
+    tuned: dict[str, dict[KernelKind, tuple[BucketConfig, ...]]] | None = None,
 ) -> dict[str, object]:
     """Every benchmark for `shapes`, printed as tables and returned (and written to OUT_DIR) as JSON.
 
     capacities: buffer capacities L for the replay-decode sweep at `capacity_batches` (default: `batches`);
-    plots: also write PNGs next to the JSON (needs `out_dir` and matplotlib). The JSON is rewritten after
-    every section with "complete": false, so a run cut short keeps what it measured.
+    plots: also write PNGs next to the JSON (needs `out_dir` and matplotlib); tuned: per shape name, the configs
+    `build` would bake from tuning records: decode is then timed as built instead of with defaults or a sweep. The
+    JSON is rewritten after every section with "complete": false, so a run cut short keeps what it measured.
     """
     if plots and out_dir is None:
         raise ReplaygenError("--plots writes the PNGs next to the JSON: give --out DIR")
@@ -617,6 +656,7 @@ def run(
         "activation_dtype": str(act_dtype).replace("torch.", ""),
         "environment": environment(device),
         "copy_bandwidth_bytes_per_s": copy_bw,
+        "decode_configs": "tuning records" if tuned is not None else ("sweep" if sweep else "defaults"),
     }
     sections: dict[str, list] = {"decode": [], "capacity_sweep": [], "verify": [], "memory": []}
     fla_checks: list[FlaCheck] = []
@@ -631,7 +671,10 @@ def run(
         return result
 
     for shape in shapes:
-        shape_rows = bench_decode(spec, shape, batches, act_dtype, device, copy_bw, sweep)
+        if tuned is not None:
+            shape_rows = bench_tuned_decode(spec, shape, batches, act_dtype, device, copy_bw, tuned[shape.name])
+        else:
+            shape_rows = bench_decode(spec, shape, batches, act_dtype, device, copy_bw, sweep)
         decode_ms = {r.batch: r.timing["median_ms"] for r in shape_rows if r.kernel == "baseline"}
         if isinstance(fla, FlaPeer):
             fla_rows, checks = bench_fla(fla, spec, shape, batches, act_dtype, device, copy_bw, decode_ms)

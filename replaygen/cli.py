@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--L-batch", dest="capacity_batches", default=None, help="batch sizes of the --L sweep (default: those of --batch)")
     p.add_argument("--out", type=Path, default=None, help="write bench_<spec>_<shapes>.json here")
     p.add_argument("--plots", action="store_true", help="also write PNG plots next to the JSON (needs --out and matplotlib)")
+    p.add_argument("--gpu", default=None, help="time decode with the configs `build --gpu GPU` bakes from TUNE_DIR (default: defaults)")
+    p.add_argument("--tune-dir", default="tune", type=Path, help="tuning records folder for --gpu (default: tune)")
 
     p = sub.add_parser("plot", help="PNG plots from a saved bench JSON", description="Plot speedup vs batch, time vs L, verify cost vs T and bandwidth fraction from a `bench --out` JSON (needs matplotlib).")
     p.add_argument("json", type=Path, help="bench_<spec>_<shapes>.json written by bench --out")
@@ -246,8 +248,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if any(c < 2 for c in capacities):
         raise ReplaygenError(f"--L values must be at least 2 (the kernels need L >= 2T), got '{args.capacities}'")
     capacity_batches = _int_list("--L-batch", args.capacity_batches) if args.capacity_batches else None
-    run(spec, select_shapes(spec, args.shape), batches, getattr(torch, DTYPES[args.dtype]), args.out, args.sweep, windows,
-        capacities=capacities, capacity_batches=capacity_batches, plots=args.plots)
+    shapes = select_shapes(spec, args.shape)
+    tuned = None
+    if args.gpu:
+        from replaygen.tune.apply import resolve_configs
+
+        tuned = {}
+        for shape in shapes:
+            resolved = resolve_configs(spec, shape, args.gpu, args.tune_dir)
+            for note in resolved.notes:
+                print(f"{shape.name}: {note}")
+            tuned[shape.name] = resolved.configs
+    run(spec, shapes, batches, getattr(torch, DTYPES[args.dtype]), args.out, args.sweep, windows,
+        capacities=capacities, capacity_batches=capacity_batches, plots=args.plots, tuned=tuned)
     return 0
 
 

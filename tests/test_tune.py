@@ -206,6 +206,16 @@ def test_append_merges_and_round_trips(mamba2, tmp_path):
     assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # no temp files left
 
 
+def test_every_config_field_survives_merged_writes(mamba2, tmp_path):
+    """Each write merges with the file on disk: a trial written first must keep every knob (a reader that dropped
+    the newer fields once reset them to their defaults on every later write)."""
+    first = trial(mamba2, SHAPE, RD, KernelConfig(block_v=16, num_warps=1, flush_at=3, precompute_scores=True, fused_flush=False,
+                                                   max_registers=128, fold_chunk=2, fold_dot=True, prefetch_ring=False), 8, 1.0)
+    write(tmp_path, mamba2, SHAPE, [first])
+    path = write(tmp_path, mamba2, SHAPE, [trial(mamba2, SHAPE, RD, KernelConfig(block_v=16, flush_at=3), 8, 2.0)])
+    assert read_records(path).trials[0] == first
+
+
 def test_interrupted_write_keeps_the_old_file(mamba2, tmp_path, monkeypatch):
     path = write(tmp_path, mamba2, SHAPE, [trial(mamba2, SHAPE, BD, KernelConfig(block_v=8), 8, 1.0)])
     before = path.read_bytes()

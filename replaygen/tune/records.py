@@ -193,13 +193,28 @@ class TrialRecord:
 
 
 def config_from_dict(raw: dict) -> KernelConfig:
+    """A config as `KernelConfig.as_dict` wrote it; fields added since a record was written take their defaults
+    (such a record's kernel key no longer matches, so it is never applied)."""
+    default = KernelConfig(block_v=raw["block_v"])
     return KernelConfig(
         block_v=_int(raw["block_v"]),
         num_warps=_int(raw["num_warps"]),
         num_stages=_int(raw["num_stages"]),
         route=Route(raw["route"]),
         flush_at=_int(raw["flush_at"]),
+        prefetch_ring=_bool(raw.get("prefetch_ring", default.prefetch_ring)),
+        fold_chunk=_int(raw.get("fold_chunk", default.fold_chunk)),
+        fold_dot=_bool(raw.get("fold_dot", default.fold_dot)),
+        precompute_scores=_bool(raw.get("precompute_scores", default.precompute_scores)),
+        fused_flush=_bool(raw.get("fused_flush", default.fused_flush)),
+        max_registers=_int(raw.get("max_registers", default.max_registers)),
     )
+
+
+def _bool(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"expected true or false, got {value!r}")
+    return value
 
 
 def _int(value: object) -> int:
