@@ -11,7 +11,7 @@ from replaygen.codegen import render_module, template_hash
 from replaygen.configs import BucketConfig, KernelConfig, KernelKind, default_configs
 from replaygen.errors import ReplaygenError, UnsupportedShapeError
 from replaygen.plan import plan_module
-from replaygen.spec import load_spec_text
+from replaygen.spec import load_spec, load_spec_text
 
 from conftest import ROOT, SMALL
 
@@ -79,12 +79,14 @@ def test_build_writes_then_reports_unchanged(mamba2, tmp_path):
     assert not any(m.written for m in second)
 
 
-def test_committed_modules_are_current(mamba2, tmp_path):
-    """generated/h100 holds exactly what `replaygen build specs/mamba2.yaml --gpu h100 --allow-default` writes
+@pytest.mark.parametrize("name", ["mamba2", "gdn"])
+def test_committed_modules_are_current(name, tmp_path):
+    """generated/h100 holds exactly what `replaygen build specs/<spec>.yaml --gpu h100 --allow-default` writes
     (the records of tune/h100 where they exist, the documented defaults elsewhere)."""
-    for module in build_spec(mamba2, mamba2.shapes, "h100", tmp_path, tune_dir=ROOT / "tune", allow_default=True):
+    spec = load_spec(ROOT / "specs" / f"{name}.yaml")
+    for module in build_spec(spec, spec.shapes, "h100", tmp_path, tune_dir=ROOT / "tune", allow_default=True):
         committed = ROOT / "generated" / "h100" / module.path.name
-        assert committed.is_file(), f"{committed} is missing: run replaygen build specs/mamba2.yaml --gpu h100 --allow-default"
+        assert committed.is_file(), f"{committed} is missing: run replaygen build specs/{name}.yaml --gpu h100 --allow-default"
         assert committed.read_text() == module.path.read_text(), f"{committed} is stale: rebuild it"
 
 
