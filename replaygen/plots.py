@@ -108,20 +108,27 @@ def _spread(rows: list[Row]) -> list[list[float]]:
     return [[_median(r) - r["timing"]["p20_ms"] for r in rows], [r["timing"]["p80_ms"] - _median(r) for r in rows]]
 
 
-def _decode_label(kernel: str, flush_at: int) -> str:
+def _decode_label(kernel: str, flush_at: int, tuned: bool) -> str:
     if kernel == "fla":
         return "FLA fused_recurrent_gated_delta_rule"
     if kernel == "baseline":
         return "baseline"
     route = kernel.split("/", 1)[1].replace("_", "-")
+    if tuned:
+        return f"replay {route} (tuned per batch)"
     return f"replay {route} ({'flush every step' if flush_at == 1 else f'flush every {flush_at}'})"
 
 
-def _decode_series(rows: list[Row]) -> dict[str, list[Row]]:
-    """Decode rows by kernel label, each sorted by batch."""
+def _tuned(result: Row) -> bool:
+    """Whether decode ran the configs built from tuning records (`bench --gpu`)."""
+    return result.get("decode_configs") == "tuning records"
+
+
+def _decode_series(rows: list[Row], tuned: bool = False) -> dict[str, list[Row]]:
+    """Decode rows by kernel label, each sorted by batch (tuned: one replay series, whatever each bucket's flush_at)."""
     series: dict[str, list[Row]] = {}
     for r in sorted(rows, key=lambda r: r["batch"]):
-        series.setdefault(_decode_label(r["kernel"], r["flush_at"]), []).append(r)
+        series.setdefault(_decode_label(r["kernel"], r["flush_at"], tuned), []).append(r)
     return series
 
 
@@ -147,7 +154,7 @@ def plot_speedup(result: Row, shape: str) -> Any | None:
         return None
     figure, axes = _panels(1 + bool(verify), _title(result, shape, "speedup over the baseline"))
     ax = axes[0]
-    for index, (label, rows) in enumerate(_decode_series(decode).items()):
+    for index, (label, rows) in enumerate(_decode_series(decode, _tuned(result)).items()):
         if label != "baseline":
             ax.plot([r["batch"] for r in rows], [r["speedup"] for r in rows], marker="o", color=_color(index), label=label)
     ax.axhline(1.0, color="gray", linewidth=1, label="baseline decode")
@@ -226,7 +233,7 @@ def plot_roofline(result: Row, shape: str) -> Any | None:
         return None
     figure, axes = _panels(1 + bool(verify), _title(result, shape, "fraction of the measured copy bandwidth (traffic-model bytes)"))
     ax = axes[0]
-    for index, (label, rows) in enumerate(_decode_series(decode).items()):
+    for index, (label, rows) in enumerate(_decode_series(decode, _tuned(result)).items()):
         ax.plot([r["batch"] for r in rows], [100 * r["bandwidth_fraction"] for r in rows], marker="o", color=_color(index), label=label)
     ax.set_title("decode")
     if verify:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from replaygen import bench, measure
+from replaygen.configs import KernelKind, default_configs
 from replaygen.errors import ReplaygenError
 from replaygen.measure import Timing
 from replaygen.spec import load_spec
@@ -52,7 +53,8 @@ def test_bench_rows_and_json(mamba2, tmp_path, fake_gpu):
     result = bench.run(mamba2, (shape,), [2], torch.float32, tmp_path, sweep=False, windows=[2], device=CPU)
     saved = json.loads((tmp_path / "bench_mamba2_small.json").read_text())
     assert saved == json.loads(json.dumps(result))
-    assert set(saved) == {"spec", "spec_sha256", "activation_dtype", "environment", "copy_bandwidth_bytes_per_s", "decode", "capacity_sweep", "verify", "memory", "fla", "complete"}
+    assert set(saved) == {"spec", "spec_sha256", "activation_dtype", "environment", "copy_bandwidth_bytes_per_s", "decode_configs", "decode", "capacity_sweep", "verify", "memory", "fla", "complete"}
+    assert saved["decode_configs"] == "defaults"
     assert saved["complete"] is True
     assert saved["fla"] == "not applicable: update kind additive"
     assert saved["capacity_sweep"] == []  # no --L
@@ -214,8 +216,12 @@ def test_bench_command_passes_the_sweep_and_plots(monkeypatch, tmp_path, capsys)
     assert main(["bench", spec, "--shape", "nemotron-h", "--batch", "32,256", "--L", "4,8,16,32", "--L-batch", "32", "--plots", "--out", str(tmp_path)]) == 0
     (_, shapes, batches, _, out, _, windows), kwargs = calls[0]
     assert [s.name for s in shapes] == ["nemotron-h"] and batches == [32, 256] and out == tmp_path and windows == [2, 4, 6, 8]
-    assert kwargs == {"capacities": [4, 8, 16, 32], "capacity_batches": [32], "plots": True}
+    assert kwargs == {"capacities": [4, 8, 16, 32], "capacity_batches": [32], "plots": True, "tuned": None}
     assert main(["bench", spec, "--T", ""]) == 0
-    assert calls[1][1] == {"capacities": [], "capacity_batches": None, "plots": False} and calls[1][0][6] == []
+    assert calls[1][1] == {"capacities": [], "capacity_batches": None, "plots": False, "tuned": None} and calls[1][0][6] == []
+    assert main(["bench", spec, "--shape", "nemotron-h", "--gpu", "h100", "--tune-dir", str(ROOT / "tune")]) == 0
+    tuned = calls[2][1]["tuned"]["nemotron-h"]
+    assert tuned[KernelKind.REPLAY_DECODE] != default_configs(KernelKind.REPLAY_DECODE, calls[2][0][1][0])  # the records' winners
+    assert "replay_decode: tuned" in capsys.readouterr().out
     assert main(["bench", spec, "--L", "1,8"]) == 2
     assert "--L values must be at least 2" in capsys.readouterr().err
