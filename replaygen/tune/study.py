@@ -11,9 +11,10 @@ integers, flush_at and num_stages as integers, the route as a category) through 
   kernel starts a fresh study, an unchanged one resumes (the configs it tried count toward
   --trials);
 - --trials counts distinct configs (resumed ones too): the documented default is enqueued
-  first (replay decode then also flush_at=1 in the best recorded baseline's launch shape); pruned points are told PRUNED (never compiled); a repeated proposal is told the value
-  it had; neither counts. A config whose trial is already in the records (same kernel key,
-  environment, batch and dtype; OK, WRONG or CRASHED) is not measured again: its recorded value is told.
+  first (replay decode then also flush_at=1 in the best recorded baseline's launch shape);
+  pruned points are told PRUNED (never compiled); a repeated proposal is told the value it had;
+  neither counts. A config whose trial is already in the records (same kernel key, environment,
+  batch and dtype; OK, WRONG or CRASHED) is not measured again: its recorded value is told.
 
 Exhaustive mode times every candidate of the space, in order, without Optuna.
 """
