@@ -691,3 +691,15 @@ def test_replay_search_starts_from_the_baselines_step_in_its_best_launch_shape(m
     assert replay_trials[:2] == [replay.default.config, seed]
     alone, store_alone, _ = run(mamba2, tmp_path / "alone", (RD,), (8,), trials=4)
     assert seed not in [t.config for t in store_alone.trials][:2]  # no baseline recorded: no such seed
+
+
+def test_kinds_with_the_same_module_are_measured_separately(mamba2, tmp_path):
+    """A candidate renders every other kernel with its default, so the baseline-decode default and the baseline-verify
+    default are the same module: each kind's trial must still be timed, not taken from the other's."""
+    shape = mamba2.shape("nemotron-h")
+    default = derive_space(BD, shape, 8).default
+    assert render_candidate(mamba2, shape, BD, default).key.source_sha256 == render_candidate(mamba2, shape, BV, derive_space(BV, shape, 8).default).key.source_sha256
+    results, store, fake = run(mamba2, tmp_path, (BD, BV), (8,), trials=2)
+    assert [(t.key.kind, t.config) for t in store.trials][:1] == [(BD, default)]
+    assert (BV, default) in [(t.key.kind, t.config) for t in store.trials]
+    assert [c for c, _ in fake.timed].count(default) == 2

@@ -186,8 +186,10 @@ class Tuner:
         self.progress = progress
         self.storage = storage
         fingerprint = environment.fingerprint()
+        # One module serves every kernel kind (a candidate renders the others with their defaults), so a trial is
+        # known by its kind too: with default configs, two kinds' candidates render the same source.
         self._known = {
-            (t.key.source_sha256, t.batch): t
+            (t.key.kind, t.key.source_sha256, t.batch): t
             for t in store.trials
             if t.environment.fingerprint() == fingerprint and t.activation_dtype == settings.activation_dtype and t.status in REUSED_STATUSES
         }
@@ -210,7 +212,7 @@ class Tuner:
     def _measure(self, task: SearchTask, config: KernelConfig, study: str) -> tuple[TrialRecord, bool]:
         """The trial of `config` at the task's batch: from the records if known, else timed and saved."""
         candidate = render_candidate(task.spec, task.shape, task.kind, config)
-        known = self._known.get((candidate.key.source_sha256, task.batch))
+        known = self._known.get((task.kind, candidate.key.source_sha256, task.batch))
         if known is not None:
             return known, True
         outcome = self.evaluator.evaluate(candidate, task.batch)
@@ -227,7 +229,7 @@ class Tuner:
             error=outcome.error,
         )
         self.store.add(record)
-        self._known[(candidate.key.source_sha256, task.batch)] = record
+        self._known[(task.kind, candidate.key.source_sha256, task.batch)] = record
         if outcome.device_lost:
             raise TuneAborted(
                 f"{task.label}: the GPU is unusable after {config.as_dict()} ({outcome.error}); it is recorded as crashed in {self.store.path} "
@@ -282,7 +284,7 @@ class Tuner:
             if space.prune_reason(config) is not None:  # a rule or validate_config changed since
                 continue
             values[config] = previous.value
-            known = self._known.get((render_candidate(task.spec, task.shape, task.kind, config).key.source_sha256, task.batch))
+            known = self._known.get((task.kind, render_candidate(task.spec, task.shape, task.kind, config).key.source_sha256, task.batch))
             if known is not None:
                 results[config] = known
         target = min(self.settings.trials, len(space.candidates()))
