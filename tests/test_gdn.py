@@ -11,7 +11,7 @@ from replaygen.harness import check_decode, check_speculative
 from replaygen.runtime import load_kernels
 from replaygen.spec import load_spec, load_spec_text
 from replaygen.spec.model import CacheField, UpdateKind
-from replaygen.errors import SpecError
+from replaygen.errors import SpecError, UnsupportedShapeError
 
 from conftest import DEVICE, ODD, ROOT, SMALL
 
@@ -135,3 +135,17 @@ def test_exactly_one_of_preactivation_and_direct_gate():
                 A_log=torch.zeros(h), dt_bias=torch.zeros(h))
     with pytest.raises(ValueError, match="pass exactly one of a .pre-activation. and g"):
         module.decode(state, torch.zeros(1, dtype=torch.int32), **args, a=torch.randn(1, h), g=-torch.rand(1, h))
+
+
+def test_per_channel_decay_kda_style():
+    """Gated DeltaNet with the decay per key channel (KDA): ring tiles with per-channel prefix sums, the loop and the
+    tensor-core fold, verify; precomputed scores are refused (the decay weighs each key channel)."""
+    spec = load_spec_text(GDN_TEXT.replace("granularity: head", "granularity: channel"), "kda.yaml")
+    shape = replace(SHAPE, value_dim=16)
+    for config in (KernelConfig(block_v=8, fold_chunk=2), KernelConfig(block_v=16, fold_dot=True, fused_flush=False, prefetch_ring=False)):
+        table = (BucketConfig(None, config),)
+        module = load_kernels(spec, shape, {KernelKind.REPLAY_DECODE: table, KernelKind.REPLAY_VERIFY: table})
+        assert_passes(check_decode(module, spec, shape, device=DEVICE, cycles=2, seed=12))
+        assert_passes(check_speculative(module, spec, shape, device=DEVICE, steps=6, seed=13))
+    with pytest.raises(UnsupportedShapeError, match="per-head decay"):
+        load_kernels(spec, shape, {KernelKind.REPLAY_DECODE: (BucketConfig(None, KernelConfig(block_v=8, precompute_scores=True)),)})
