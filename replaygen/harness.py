@@ -170,21 +170,14 @@ class Schedule:
         return [self.row_slot[r] if a else -1 for r, a in enumerate(self.active(step))]
 
 
-def _slot_memory(replay: object) -> tuple[torch.Tensor, ...]:
-    """Every per-slot tensor of a replay state: state, rings, cursors and the per-step workspaces."""
-    return (replay.checkpoint, *replay.buffers(), replay.cursor, replay.scores, replay.pending)
+def _slot_memory(replay: object) -> tuple[tuple[str, torch.Tensor], ...]:
+    """Every per-slot tensor of a replay state, named: state, rings, cursors and the per-step workspaces."""
+    rings = tuple((f"buffer {index}", tensor) for index, tensor in enumerate(replay.buffers()))
+    return (("checkpoint", replay.checkpoint), *rings, ("cursor", replay.cursor), ("scores", replay.scores), ("pending", replay.pending))
 
 
 def _untouched(replay: object, extra: tuple[tuple[str, torch.Tensor], ...], unused: list[int]) -> list[str]:
-    problems = []
-    named = (("checkpoint", replay.checkpoint), ("cursor", replay.cursor), ("scores", replay.scores), ("pending", replay.pending))
-    for name, tensor in (*named, *extra):
-        if not _still_poisoned(tensor, unused):
-            problems.append(f"{name} of unused slots {unused}")
-    for index, tensor in enumerate(replay.buffers()):
-        if not _still_poisoned(tensor, unused):
-            problems.append(f"buffer {index} of unused slots {unused}")
-    return problems
+    return [f"{name} of unused slots {unused}" for name, tensor in (*_slot_memory(replay), *extra) if not _still_poisoned(tensor, unused)]
 
 
 def check_decode(
@@ -212,7 +205,7 @@ def check_decode(
     baseline = module.allocate_baseline(plan.num_slots, device)
     reference = Reference(spec, shape, plan.num_slots)
     all_slots = list(range(plan.num_slots))
-    for tensor in (*_slot_memory(replay), baseline):
+    for _, tensor in (*_slot_memory(replay), ("baseline state", baseline)):
         _poison(tensor, all_slots)
     errors = KernelErrors()
     for step in range(steps):
@@ -295,7 +288,7 @@ def check_speculative(
     snapshots, current = module.allocate_snapshots(plan.num_slots, device, tokens)
     reference = Reference(spec, shape, plan.num_slots)
     all_slots = list(range(plan.num_slots))
-    for tensor in (*_slot_memory(replay), snapshots):
+    for _, tensor in (*_slot_memory(replay), ("baseline snapshots", snapshots)):
         _poison(tensor, all_slots)
     low = 1 if compare_baseline else 0
     errors = KernelErrors()
