@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import triton
 
 from replaygen import __version__
-from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route, default_configs
+from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route, bucket_config, default_configs
 from replaygen.errors import ReplaygenError
 from replaygen.harness import check_decode, check_speculative, relative_error
 from replaygen.measure import DecodeWorkload, Timing, VerifyWorkload, capture, copy_bandwidth, time_callable
@@ -284,11 +284,6 @@ def bench_tuned_decode(
         rows.append(decode_row(shape, batch, f"replay/{replay_config.route.value}", flush_at, replay_config.as_dict(), replay, replay_bytes, copy_bw, base.median_ms))
         log.info("%s b=%d tuned: baseline %.4f ms, replay %.4f ms", shape.name, batch, base.median_ms, replay.median_ms)
     return rows
-
-
-def bucket_config(table: tuple[BucketConfig, ...], batch: int) -> KernelConfig:
-    """The config a dispatch table runs at `batch` (the generated modules' `_pick`)."""
-    return next(b.config for b in table if b.max_batch is None or batch <= b.max_batch)
 
 
 def _config_text(config: dict[str, object]) -> str:

@@ -92,6 +92,11 @@ class BucketConfig:
     config: KernelConfig
 
 
+def bucket_config(table: tuple[BucketConfig, ...], batch: int) -> KernelConfig:
+    """The config a dispatch table runs at `batch` (what the generated modules' `_pick` chooses)."""
+    return next(b.config for b in table if b.max_batch is None or batch <= b.max_batch)
+
+
 def validate_config(kind: KernelKind, shape: TargetShape, config: KernelConfig) -> None:
     """Reject configs no kernel can run, before anything is compiled."""
     if config.block_v < CURSOR_GRAIN or config.block_v & (config.block_v - 1):

@@ -9,6 +9,7 @@ from typing import TextIO
 
 from replaygen.configs import KernelConfig, KernelKind
 from replaygen.tune.records import TrialRecord, TrialStatus
+from replaygen.tune.space import REPLAY_KINDS
 from replaygen.tune.study import Progress, SearchResult, SearchTask
 
 # The kernel each kind's speedup is taken against.
@@ -23,7 +24,7 @@ def describe(config: KernelConfig, kind: KernelKind) -> str:
         text += f" {config.route.value} flush={config.flush_at}"
         text += " scores" if config.precompute_scores else ""
         text += "" if config.fused_flush else " flush-launch"
-    if kind in BASELINE_OF:
+    if kind in REPLAY_KINDS:
         text += f" chunk={config.fold_chunk}" + (" dot" if config.fold_dot else "") + ("" if config.prefetch_ring else " no-prefetch")
     return text
 

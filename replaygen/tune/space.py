@@ -46,7 +46,7 @@ import json
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
 
-from replaygen.configs import CURSOR_GRAIN, KernelConfig, KernelKind, Route, default_configs, validate_config
+from replaygen.configs import CURSOR_GRAIN, KernelConfig, KernelKind, Route, bucket_config, default_configs, validate_config
 from replaygen.errors import ReplaygenError, UnsupportedShapeError
 from replaygen.spec.model import TargetShape
 
@@ -221,7 +221,7 @@ def derive_space(kind: KernelKind, shape: TargetShape, batch: int, channel_decay
 
 def default_config(kind: KernelKind, shape: TargetShape, batch: int) -> KernelConfig:
     """The documented default for `batch` (its bucket of `default_configs`), flush_at 0 written as L."""
-    config = next(b.config for b in default_configs(kind, shape) if b.max_batch is None or batch <= b.max_batch)
+    config = bucket_config(default_configs(kind, shape), batch)
     if kind is KernelKind.REPLAY_DECODE and config.flush_at == 0:
         config = replace(config, flush_at=shape.capacity)
     return config
