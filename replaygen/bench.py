@@ -498,8 +498,11 @@ def bench_fla(
 
 
 def verify_shape(shape: TargetShape, spec: Spec, act: DType, tokens: int) -> TargetShape:
-    """The shape benchmarked for window T: the spec's, with the buffer capacity the traffic model prefers."""
-    return replace(shape, capacity=best_verify_capacity(spec, shape, act, tokens), window=tokens)
+    """The shape benchmarked for window T: the spec's, with the buffer capacity the traffic model prefers; the spec's
+    own shape of those sizes when it names one (e.g. nemotron-h-mtp), so that shape's tuning records apply."""
+    wanted = replace(shape, capacity=best_verify_capacity(spec, shape, act, tokens), window=tokens)
+    named = [s for s in spec.shapes if replace(s, name=shape.name) == wanted]
+    return named[0] if named else wanted
 
 
 def bench_verify(
@@ -512,17 +515,23 @@ def bench_verify(
     copy_bw: float,
     decode_ms: dict[int, float],
     sweep: bool = False,
+    tuned: dict[str, dict[KernelKind, tuple[BucketConfig, ...]]] | None = None,
 ) -> list[VerifyRow]:
-    """Replay verify + commit vs per-draft-snapshot verify + rollback, per window T and batch size."""
+    """Replay verify + commit vs per-draft-snapshot verify + rollback, per window T and batch size. Each window runs
+    on `verify_shape`; with `tuned` configs for that shape (by name), both verify kernels run as `build` bakes them."""
     act = TORCH_TO_DTYPE[act_dtype]
     rows: list[VerifyRow] = []
     for tokens in windows:
         vshape = verify_shape(shape, spec, act, tokens)
-        configs = [KernelConfig(block_v=bv, num_warps=w) for bv, w in ((8, 4), (16, 8))] if sweep else [default_configs(KernelKind.REPLAY_VERIFY, vshape)[-1].config]
+        tables = (tuned or {}).get(vshape.name)
         modules = {}
-        for config in configs:
-            table = (BucketConfig(None, config),)
-            modules[config] = load_kernels(spec, vshape, {KernelKind.REPLAY_VERIFY: table, KernelKind.BASELINE_VERIFY: table})
+        if tables is not None:
+            modules[None] = load_kernels(spec, vshape, tables, config_source="tuning records")
+        else:
+            configs = [KernelConfig(block_v=bv, num_warps=w) for bv, w in ((8, 4), (16, 8))] if sweep else [default_configs(KernelKind.REPLAY_VERIFY, vshape)[-1].config]
+            for config in configs:
+                table = (BucketConfig(None, config),)
+                modules[config] = load_kernels(spec, vshape, {KernelKind.REPLAY_VERIFY: table, KernelKind.BASELINE_VERIFY: table})
         first = next(iter(modules.values()))
         report = check_speculative(first, spec, vshape, device=device, act_dtype=act_dtype, batch=3, steps=6, tokens=tokens)
         if not report.ok:
@@ -530,7 +539,7 @@ def bench_verify(
         all_steps = len(verify_flush_period(vshape, tokens, tokens))
         for batch in batches:
             work = VerifyWorkload(first, spec, vshape, batch, tokens, act_dtype, device)
-            best: dict[tuple[str, str], tuple[Timing, KernelConfig]] = {}
+            best: dict[tuple[str, str], tuple[Timing, KernelConfig | None]] = {}
             for config, module in modules.items():
                 work.module = module
                 variants = [("replay_verify", "all"), ("replay_verify", "random")] + [("baseline_verify", "all")]
@@ -543,6 +552,8 @@ def bench_verify(
             torch.cuda.empty_cache()
             base_verify = best[("baseline_verify", "all")][0].median_ms
             for (kernel, accept), (timing, config) in best.items():
+                if config is None:
+                    config = bucket_config(tables[KernelKind(kernel)], batch)
                 if kernel == "baseline_verify":
                     nbytes = baseline_verify_bytes(spec, vshape, act, tokens).total
                 else:
@@ -684,7 +695,7 @@ def run(
             sections["capacity_sweep"] += sweep_rows
             save(complete=False)
         if windows:
-            verify_rows = bench_verify(spec, shape, batches, windows, act_dtype, device, copy_bw, decode_ms, sweep)
+            verify_rows = bench_verify(spec, shape, batches, windows, act_dtype, device, copy_bw, decode_ms, sweep, tuned)
             print(format_verify_rows(verify_rows), flush=True)
             sections["verify"] += verify_rows
             mem = memory_rows(spec, shape, act, windows)

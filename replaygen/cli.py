@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tune", help="search the kernels' launch configs on this GPU and record every trial", description=(
         "Per shape, batch size and kernel, search the launch configs (block_v, warps, register cap; for replay decode the "
-        "route, flush threshold, precomputed scores and a fused or separate flush; for the replay kernels the ring prefetch "
+        "route, flush threshold and a fused or separate flush; for the replay kernels precomputed scores, the ring prefetch "
         "and how the fold runs) with Optuna, or every candidate with --exhaustive. Each candidate is checked against the float64 "
         "reference, then timed as bench does (cold state, whole flush cycles, CUDA graphs). Every trial is written to "
         "OUT/GPU/SPEC_SHAPE.json as it ends; `replaygen build --gpu GPU` bakes the winners in."))
@@ -251,14 +251,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
     shapes = select_shapes(spec, args.shape)
     tuned = None
     if args.gpu:
+        from replaygen.bench import TORCH_TO_DTYPE, verify_shape
         from replaygen.tune.apply import resolve_configs
 
+        act = TORCH_TO_DTYPE[getattr(torch, DTYPES[args.dtype])]
         tuned = {}
         for shape in shapes:
             resolved = resolve_configs(spec, shape, args.gpu, args.tune_dir)
             for note in resolved.notes:
                 print(f"{shape.name}: {note}")
             tuned[shape.name] = resolved.configs
+        # Verify runs on the shape with the buffer capacity the traffic model prefers; a spec shape of its own
+        # (e.g. nemotron-h-mtp) brings its tuning records, or the documented defaults when it has none.
+        for vshape in {verify_shape(shape, spec, act, tokens) for shape in shapes for tokens in windows}:
+            if vshape.name not in tuned and vshape in spec.shapes:
+                resolved = resolve_configs(spec, vshape, args.gpu, args.tune_dir, allow_default=True)
+                for note in resolved.notes:
+                    print(f"{vshape.name}: {note}")
+                tuned[vshape.name] = resolved.configs
     run(spec, shapes, batches, getattr(torch, DTYPES[args.dtype]), args.out, args.sweep, windows,
         capacities=capacities, capacity_batches=capacity_batches, plots=args.plots, tuned=tuned)
     return 0

@@ -64,7 +64,7 @@ class KernelConfig:
     prefetch_ring: bool = True  # replay kernels: load every ring position without waiting for the cursor
     fold_chunk: int = 4  # replay kernels: buffered entries loaded together per step of the fold loop
     fold_dot: bool = False  # replay kernels: fold the ring by one tensor-core product (tf32x3) instead of a loop
-    precompute_scores: bool = False  # replay decode: entry scores once per key head in a small kernel first
+    precompute_scores: bool = False  # replay kernels: entry (and window) scores once per key head in a small kernel first
     fused_flush: bool = True  # replay decode: fold full buffers in the decode kernel, or in a second launch
     max_registers: int = 0  # per-thread register cap (ptxas maxnreg; more programs per SM); 0 = the compiler's choice
 

@@ -153,14 +153,16 @@ def baseline_verify_bytes(spec: Spec, shape: TargetShape, act: DType, tokens: in
     return StepBytes(s, tokens * s, 0.0, 0.0, tokens * input_bytes(spec, shape, act), tokens * output_bytes(shape, act))
 
 
-def best_verify_capacity(spec: Spec, shape: TargetShape, act: DType, tokens: int, max_capacity: int = 32, slack: float = 0.02) -> int:
-    """Buffer capacity for windows of T tokens: the smallest power of two L >= 2T whose bytes per verify step
-    (every token accepted) are within `slack` of the fewest. Powers of two because the kernels pad the ring
-    tile to one; the smallest, and at most 32, because the verify kernel's register tiles grow with L while the
-    bytes barely move."""
+def best_verify_capacity(spec: Spec, shape: TargetShape, act: DType, tokens: int, max_ring: int = 32, slack: float = 0.02) -> int:
+    """Buffer capacity for windows of T tokens: the smallest L >= 2T with a ring of L + T positions a power of two
+    (the kernels pad the ring tile to one) whose bytes per verify step (every token accepted) are within `slack` of
+    the fewest; rings of at most `max_ring` positions, because the verify kernel's register tiles grow with the ring
+    while the bytes barely move."""
     from dataclasses import replace
 
-    candidates = [1 << b for b in range(1, max_capacity.bit_length()) if 2 * tokens <= 1 << b <= max_capacity]
+    candidates = [(1 << b) - tokens for b in range(1, max_ring.bit_length()) if 2 * tokens <= (1 << b) - tokens]
+    if not candidates:
+        raise ValueError(f"no ring of at most {max_ring} positions holds L >= 2T = {2 * tokens} committed entries plus the window")
     cost = {L: replay_verify_bytes(spec, replace(shape, capacity=L), act, tokens).total for L in candidates}
     fewest = min(cost.values())
     return min(L for L in candidates if cost[L] <= (1 + slack) * fewest)

@@ -5,6 +5,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from replaygen.configs import BucketConfig, KernelConfig, KernelKind
 from replaygen.harness import check_speculative
 from replaygen.runtime import load_kernels
 
@@ -51,6 +52,17 @@ def test_ring_wraps_around(mamba2):
     shape = replace(SMALL, capacity=7, window=3)
     module = load_kernels(mamba2, shape)
     assert_passes(check_speculative(module, mamba2, shape, device=DEVICE, tokens=2, steps=14, seed=9, compare_baseline=False))
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 4])
+def test_precomputed_scores(mamba2, tokens):
+    """Ring and window scores from `_scores_kernel` (one program per key head) in verify and decode, mixed steps,
+    over windows shorter than the spec's (token rows of the scores workspace left unused) and a wrapping ring."""
+    shape = replace(SMALL, capacity=9, window=4)
+    table = (BucketConfig(None, KernelConfig(block_v=8, num_warps=1, precompute_scores=True)),)
+    module = load_kernels(mamba2, shape, {KernelKind.REPLAY_VERIFY: table, KernelKind.REPLAY_DECODE: table})
+    report = check_speculative(module, mamba2, shape, device=DEVICE, tokens=tokens, mixed=True, steps=12, seed=20 + tokens)
+    assert_passes(report, ("replay_verify", "replay_decode", "materialize"))
 
 
 def test_bf16_activations(mamba2, kernels):

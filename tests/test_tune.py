@@ -94,7 +94,9 @@ def test_space_of_the_main_shape(mamba2):
     baseline = derive_space(BD, shape, batch=8)
     assert [p.name for p in baseline.free] == ["block_v", "num_warps"]  # no loop, no route, no flush, no register cap
     assert len(baseline.candidates()) == 15  # 16 points, block_v=64 on one warp spills
-    assert {p.name for p in derive_space(RV, shape, 8).free} == {"block_v", "num_warps", "max_registers", "prefetch_ring", "fold_chunk", "fold_dot"}
+    verify = {"block_v", "num_warps", "max_registers", "prefetch_ring", "fold_chunk", "fold_dot", "precompute_scores"}
+    assert {p.name for p in derive_space(RV, shape, 8).free} == verify
+    assert {p.name for p in derive_space(RV, shape, 8, channel_decay=True).free} == verify - {"precompute_scores"}
 
 
 def test_pruning_rules(mamba2):

@@ -10,7 +10,8 @@ templates read (nothing else is invented):
                       multiprocessor; the baselines stream their state at the copy bandwidth without a cap)
     route             replay_decode only: output_only, state_and_output
     flush_at          replay_decode only: 1..L
-    precompute_scores replay_decode only, per-head decay only: entry scores once per key head in a small kernel
+    precompute_scores replay kernels, per-head decay only: entry (and window) scores once per key head in a small
+                      kernel
     fused_flush       replay_decode only: fold full buffers in the decode kernel, or in a persistent second launch
     prefetch_ring     replay kernels: read every ring position without waiting for the cursor
     fold_chunk        replay kernels: 1, 2, 4 buffered entries loaded together per step of the fold loop
@@ -210,7 +211,7 @@ def derive_space(kind: KernelKind, shape: TargetShape, batch: int, channel_decay
         Parameter("max_registers", MAX_REGISTERS if replay else (0,), Scale.CATEGORICAL),
         Parameter("route", tuple(r.value for r in Route) if decode else (Route.OUTPUT_ONLY.value,), Scale.CATEGORICAL),
         Parameter("flush_at", tuple(range(1, shape.capacity + 1)) if decode else (0,), Scale.LINEAR),
-        Parameter("precompute_scores", both if decode and not channel_decay else (False,), Scale.CATEGORICAL),
+        Parameter("precompute_scores", both if replay and not channel_decay else (False,), Scale.CATEGORICAL),
         Parameter("fused_flush", both if decode else (True,), Scale.CATEGORICAL),
         Parameter("prefetch_ring", both if replay else (True,), Scale.CATEGORICAL),
         Parameter("fold_chunk", FOLD_CHUNKS if replay else (4,), Scale.LOG2),
