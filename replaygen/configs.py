@@ -66,6 +66,7 @@ class KernelConfig:
     fold_dot: bool = False  # replay kernels: fold the ring by one tensor-core product (tf32x3) instead of a loop
     precompute_scores: bool = False  # replay kernels: entry (and window) scores once per key head in a small kernel first
     fused_flush: bool = True  # replay decode: fold full buffers in the decode kernel, or in a second launch
+    readout_dot: bool = False  # replay verify: read the state and ring at every window token by tensor-core products (tf32x3)
     max_registers: int = 0  # per-thread register cap (ptxas maxnreg; more programs per SM); 0 = the compiler's choice
 
     def as_dict(self) -> dict[str, object]:
@@ -80,6 +81,7 @@ class KernelConfig:
             "fold_dot": self.fold_dot,
             "precompute_scores": self.precompute_scores,
             "fused_flush": self.fused_flush,
+            "readout_dot": self.readout_dot,
             "max_registers": self.max_registers,
         }
 
@@ -111,6 +113,8 @@ def validate_config(kind: KernelKind, shape: TargetShape, config: KernelConfig) 
         raise UnsupportedShapeError(f"{kind.value}: fold_chunk={config.fold_chunk} must be 1, 2, 4 or 8")
     if config.fold_dot and (config.block_v < MIN_DOT or shape.key_dim < MIN_DOT):
         raise UnsupportedShapeError(f"{kind.value}: fold_dot needs block_v and key_dim >= {MIN_DOT} (tl.dot), got {config.block_v}, {shape.key_dim}")
+    if config.readout_dot and (config.block_v < MIN_DOT or not config.precompute_scores):
+        raise UnsupportedShapeError(f"{kind.value}: readout_dot needs block_v >= {MIN_DOT} (tl.dot) and precompute_scores, got block_v={config.block_v}, precompute_scores={config.precompute_scores}")
     if config.max_registers and not 24 <= config.max_registers <= 255:
         raise UnsupportedShapeError(f"{kind.value}: max_registers={config.max_registers} must be 0 (no cap) or 24..255")
     if not 0 <= config.flush_at <= shape.capacity:

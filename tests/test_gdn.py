@@ -71,12 +71,13 @@ def test_verify_random_acceptance(layout_kernels):
     assert_passes(check_speculative(module, spec, SHAPE, device=DEVICE, steps=10, seed=3))
 
 
-@pytest.mark.parametrize("layout", ["value_key", "key_value"])
-def test_verify_precomputed_scores(layout):
-    """Ring and window scores (k_j . q, k_j . k, both against ring and window keys) from `_scores_kernel`."""
+@pytest.mark.parametrize("layout,readout_dot", [("value_key", False), ("key_value", False), ("value_key", True), ("key_value", True)])
+def test_verify_precomputed_scores(layout, readout_dot):
+    """Ring and window scores (k_j . q, k_j . k, both against ring and window keys) from `_scores_kernel`; with
+    readout_dot the state and ring are read at every token's q and k by tensor-core products."""
     spec = gdn(layout)
     shape = replace(SMALL, capacity=9, window=4)
-    table = (BucketConfig(None, KernelConfig(block_v=8, num_warps=1, precompute_scores=True)),)
+    table = (BucketConfig(None, KernelConfig(block_v=16 if readout_dot else 8, num_warps=1, precompute_scores=True, readout_dot=readout_dot)),)
     module = load_kernels(spec, shape, {KernelKind.REPLAY_VERIFY: table, KernelKind.REPLAY_DECODE: table})
     assert_passes(check_speculative(module, spec, shape, device=DEVICE, mixed=True, steps=12, seed=11))
     assert_passes(check_speculative(module, spec, shape, device=DEVICE, tokens=3, accept="all", steps=8, seed=12))

@@ -54,13 +54,15 @@ def test_ring_wraps_around(mamba2):
     assert_passes(check_speculative(module, mamba2, shape, device=DEVICE, tokens=2, steps=14, seed=9, compare_baseline=False))
 
 
-@pytest.mark.parametrize("tokens", [1, 3, 4])
-def test_precomputed_scores(mamba2, tokens):
+@pytest.mark.parametrize("tokens,readout_dot", [(1, False), (3, False), (4, False), (1, True), (3, True), (4, True)])
+def test_precomputed_scores(mamba2, tokens, readout_dot):
     """Ring and window scores from `_scores_kernel` (one program per key head) in verify and decode, mixed steps,
-    over windows shorter than the spec's (token rows of the scores workspace left unused) and a wrapping ring."""
+    over windows shorter than the spec's (token rows of the scores workspace left unused) and a wrapping ring;
+    with readout_dot the verify reads the state and ring by tensor-core products."""
     shape = replace(SMALL, capacity=9, window=4)
-    table = (BucketConfig(None, KernelConfig(block_v=8, num_warps=1, precompute_scores=True)),)
-    module = load_kernels(mamba2, shape, {KernelKind.REPLAY_VERIFY: table, KernelKind.REPLAY_DECODE: table})
+    verify = KernelConfig(block_v=16 if readout_dot else 8, num_warps=1, precompute_scores=True, readout_dot=readout_dot)
+    decode = KernelConfig(block_v=8, num_warps=1, precompute_scores=True)
+    module = load_kernels(mamba2, shape, {KernelKind.REPLAY_VERIFY: (BucketConfig(None, verify),), KernelKind.REPLAY_DECODE: (BucketConfig(None, decode),)})
     report = check_speculative(module, mamba2, shape, device=DEVICE, tokens=tokens, mixed=True, steps=12, seed=20 + tokens)
     assert_passes(report, ("replay_verify", "replay_decode", "materialize"))
 

@@ -207,6 +207,7 @@ def config_from_dict(raw: dict) -> KernelConfig:
         fold_dot=_bool(raw.get("fold_dot", default.fold_dot)),
         precompute_scores=_bool(raw.get("precompute_scores", default.precompute_scores)),
         fused_flush=_bool(raw.get("fused_flush", default.fused_flush)),
+        readout_dot=_bool(raw.get("readout_dot", default.readout_dot)),
         max_registers=_int(raw.get("max_registers", default.max_registers)),
     )
 

@@ -22,9 +22,10 @@ def describe(config: KernelConfig, kind: KernelKind) -> str:
         text += f" maxreg={config.max_registers}"
     if kind is KernelKind.REPLAY_DECODE:
         text += f" {config.route.value} flush={config.flush_at}"
-        text += " scores" if config.precompute_scores else ""
         text += "" if config.fused_flush else " flush-launch"
     if kind in REPLAY_KINDS:
+        text += " scores" if config.precompute_scores else ""
+        text += " readout-dot" if config.readout_dot else ""
         text += f" chunk={config.fold_chunk}" + (" dot" if config.fold_dot else "") + ("" if config.prefetch_ring else " no-prefetch")
     return text
 

@@ -16,6 +16,8 @@ templates read (nothing else is invented):
     prefetch_ring     replay kernels: read every ring position without waiting for the cursor
     fold_chunk        replay kernels: 1, 2, 4 buffered entries loaded together per step of the fold loop
     fold_dot          replay kernels: fold by one tensor-core product (tf32x3) instead of the loop
+    readout_dot       replay_verify only, per-head decay only: the window's readouts of the state and ring as
+                      tensor-core products (tf32x3); needs precompute_scores and 16 value rows
 
 num_stages stays 1: no kernel has a loop whose loads Triton's pipeliner could prefetch (the fold's loads are
 unrolled by fold_chunk instead).
@@ -216,6 +218,7 @@ def derive_space(kind: KernelKind, shape: TargetShape, batch: int, channel_decay
         Parameter("prefetch_ring", both if replay else (True,), Scale.CATEGORICAL),
         Parameter("fold_chunk", FOLD_CHUNKS if replay else (4,), Scale.LOG2),
         Parameter("fold_dot", both if replay else (False,), Scale.CATEGORICAL),
+        Parameter("readout_dot", both if kind is KernelKind.REPLAY_VERIFY and not channel_decay else (False,), Scale.CATEGORICAL),
     )
     return SearchSpace(kind=kind, shape=shape, parameters=parameters, default=default_config(kind, shape, batch))
 
