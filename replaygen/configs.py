@@ -59,7 +59,7 @@ class KernelConfig:
     block_v: int
     num_warps: int = 4
     num_stages: int = 1
-    route: Route = Route.OUTPUT_ONLY  # replay decode only
+    route: Route = Route.OUTPUT_ONLY  # replay kernels (verify: state_and_output folds on every step)
     flush_at: int = 0  # replay decode only; 0 means the capacity L
     prefetch_ring: bool = True  # replay kernels: load every ring position without waiting for the cursor
     fold_chunk: int = 4  # replay kernels: buffered entries loaded together per step of the fold loop

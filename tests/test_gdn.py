@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from replaygen.configs import BucketConfig, KernelConfig, KernelKind
+from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route
 from replaygen.harness import check_decode, check_speculative
 from replaygen.runtime import load_kernels
 from replaygen.spec import load_spec, load_spec_text
@@ -71,13 +71,18 @@ def test_verify_random_acceptance(layout_kernels):
     assert_passes(check_speculative(module, spec, SHAPE, device=DEVICE, steps=10, seed=3))
 
 
-@pytest.mark.parametrize("layout,readout_dot", [("value_key", False), ("key_value", False), ("value_key", True), ("key_value", True)])
-def test_verify_precomputed_scores(layout, readout_dot):
+@pytest.mark.parametrize("layout,readout_dot,route", [
+    ("value_key", False, "output_only"), ("key_value", False, "output_only"), ("value_key", True, "output_only"),
+    ("key_value", True, "output_only"), ("key_value", False, "state_and_output"),
+])
+def test_verify_precomputed_scores(layout, readout_dot, route):
     """Ring and window scores (k_j . q, k_j . k, both against ring and window keys) from `_scores_kernel`; with
-    readout_dot the state and ring are read at every token's q and k by tensor-core products."""
+    readout_dot the state and ring are read at every token's q and k by tensor-core products; the state-and-output
+    route folds the buffer on every verify."""
     spec = gdn(layout)
     shape = replace(SMALL, capacity=9, window=4)
-    table = (BucketConfig(None, KernelConfig(block_v=16 if readout_dot else 8, num_warps=1, precompute_scores=True, readout_dot=readout_dot)),)
+    config = KernelConfig(block_v=16 if readout_dot else 8, num_warps=1, precompute_scores=True, readout_dot=readout_dot, route=Route(route))
+    table = (BucketConfig(None, config),)
     module = load_kernels(spec, shape, {KernelKind.REPLAY_VERIFY: table, KernelKind.REPLAY_DECODE: table})
     assert_passes(check_speculative(module, spec, shape, device=DEVICE, mixed=True, steps=12, seed=11))
     assert_passes(check_speculative(module, spec, shape, device=DEVICE, tokens=3, accept="all", steps=8, seed=12))
@@ -151,10 +156,15 @@ def test_exactly_one_of_preactivation_and_direct_gate():
 
 def test_per_channel_decay_kda_style():
     """Gated DeltaNet with the decay per key channel (KDA): ring tiles with per-channel prefix sums, the loop and the
-    tensor-core fold, verify; precomputed scores are refused (the decay weighs each key channel)."""
+    tensor-core fold, verify on both routes; precomputed scores are refused (the decay weighs each key channel)."""
     spec = load_spec_text(GDN_TEXT.replace("granularity: head", "granularity: channel"), "kda.yaml")
     shape = replace(SHAPE, value_dim=16)
-    for config in (KernelConfig(block_v=8, fold_chunk=2), KernelConfig(block_v=16, fold_dot=True, fused_flush=False, prefetch_ring=False)):
+    configs = (
+        KernelConfig(block_v=8, fold_chunk=2),
+        KernelConfig(block_v=16, fold_dot=True, fused_flush=False, prefetch_ring=False),
+        KernelConfig(block_v=8, route=Route.STATE_AND_OUTPUT),
+    )
+    for config in configs:
         table = (BucketConfig(None, config),)
         module = load_kernels(spec, shape, {KernelKind.REPLAY_DECODE: table, KernelKind.REPLAY_VERIFY: table})
         assert_passes(check_decode(module, spec, shape, device=DEVICE, cycles=2, seed=12))

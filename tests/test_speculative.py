@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from replaygen.configs import BucketConfig, KernelConfig, KernelKind
+from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route
 from replaygen.harness import check_speculative
 from replaygen.runtime import load_kernels
 
@@ -54,13 +54,18 @@ def test_ring_wraps_around(mamba2):
     assert_passes(check_speculative(module, mamba2, shape, device=DEVICE, tokens=2, steps=14, seed=9, compare_baseline=False))
 
 
-@pytest.mark.parametrize("tokens,readout_dot", [(1, False), (3, False), (4, False), (1, True), (3, True), (4, True)])
-def test_precomputed_scores(mamba2, tokens, readout_dot):
+@pytest.mark.parametrize("tokens,readout_dot,route", [
+    (1, False, "output_only"), (3, False, "output_only"), (4, False, "output_only"),
+    (1, True, "output_only"), (3, True, "output_only"), (4, True, "output_only"),
+    (3, False, "state_and_output"), (4, True, "state_and_output"),
+])
+def test_precomputed_scores(mamba2, tokens, readout_dot, route):
     """Ring and window scores from `_scores_kernel` (one program per key head) in verify and decode, mixed steps,
     over windows shorter than the spec's (token rows of the scores workspace left unused) and a wrapping ring;
-    with readout_dot the verify reads the state and ring by tensor-core products."""
+    with readout_dot the verify reads the state and ring by tensor-core products; on the state-and-output route
+    it folds the buffer on every step and reads the formed state."""
     shape = replace(SMALL, capacity=9, window=4)
-    verify = KernelConfig(block_v=16 if readout_dot else 8, num_warps=1, precompute_scores=True, readout_dot=readout_dot)
+    verify = KernelConfig(block_v=16 if readout_dot else 8, num_warps=1, precompute_scores=True, readout_dot=readout_dot, route=Route(route))
     decode = KernelConfig(block_v=8, num_warps=1, precompute_scores=True)
     module = load_kernels(mamba2, shape, {KernelKind.REPLAY_VERIFY: (BucketConfig(None, verify),), KernelKind.REPLAY_DECODE: (BucketConfig(None, decode),)})
     report = check_speculative(module, mamba2, shape, device=DEVICE, tokens=tokens, mixed=True, steps=12, seed=20 + tokens)

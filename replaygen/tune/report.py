@@ -7,7 +7,7 @@ import sys
 from dataclasses import dataclass
 from typing import TextIO
 
-from replaygen.configs import KernelConfig, KernelKind
+from replaygen.configs import KernelConfig, KernelKind, Route
 from replaygen.tune.records import TrialRecord, TrialStatus
 from replaygen.tune.space import REPLAY_KINDS
 from replaygen.tune.study import Progress, SearchResult, SearchTask
@@ -23,6 +23,8 @@ def describe(config: KernelConfig, kind: KernelKind) -> str:
     if kind is KernelKind.REPLAY_DECODE:
         text += f" {config.route.value} flush={config.flush_at}"
         text += "" if config.fused_flush else " flush-launch"
+    if kind is KernelKind.REPLAY_VERIFY and config.route is not Route.OUTPUT_ONLY:
+        text += f" {config.route.value}"
     if kind in REPLAY_KINDS:
         text += " scores" if config.precompute_scores else ""
         text += " readout-dot" if config.readout_dot else ""

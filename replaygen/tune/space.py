@@ -8,7 +8,8 @@ templates read (nothing else is invented):
     num_warps         1, 2, 4, 8
     max_registers     replay kernels: 0 (the compiler's choice) or 128 per thread (more programs per
                       multiprocessor; the baselines stream their state at the copy bandwidth without a cap)
-    route             replay_decode only: output_only, state_and_output
+    route             replay kernels: output_only, state_and_output (verify: fold the buffer on every step and read
+                      the formed state)
     flush_at          replay_decode only: 1..L
     precompute_scores replay kernels, per-head decay only: entry (and window) scores once per key head in a small
                       kernel
@@ -211,7 +212,7 @@ def derive_space(kind: KernelKind, shape: TargetShape, batch: int, channel_decay
         Parameter("num_warps", NUM_WARPS, Scale.LOG2),
         Parameter("num_stages", (1,), Scale.LINEAR),
         Parameter("max_registers", MAX_REGISTERS if replay else (0,), Scale.CATEGORICAL),
-        Parameter("route", tuple(r.value for r in Route) if decode else (Route.OUTPUT_ONLY.value,), Scale.CATEGORICAL),
+        Parameter("route", tuple(r.value for r in Route) if replay else (Route.OUTPUT_ONLY.value,), Scale.CATEGORICAL),
         Parameter("flush_at", tuple(range(1, shape.capacity + 1)) if decode else (0,), Scale.LINEAR),
         Parameter("precompute_scores", both if replay and not channel_decay else (False,), Scale.CATEGORICAL),
         Parameter("fused_flush", both if decode else (True,), Scale.CATEGORICAL),
