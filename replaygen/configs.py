@@ -129,7 +129,8 @@ def default_configs(kind: KernelKind, shape: TargetShape) -> tuple[BucketConfig,
       a separate flush launch (the decode kernel keeps no fold registers), 64 value rows for states of up to
       64 x 128 values and 32 beyond; flush every L steps. Precomputed scores need a per-head decay, so they
       are left to the tuner.
-    - replay verify: 32 value rows, 4 warps, the flush folds by one tensor-core product.
+    - replay verify: 32 value rows, 2 warps, the loop fold (entry 11; precomputed scores, which need a per-head
+      decay, are left to the tuner).
     - the others: 16 value rows, 4 warps (the baseline streams the state at the copy bandwidth so).
     """
     cap = max(16, _next_pow2(shape.value_dim))
@@ -140,8 +141,7 @@ def default_configs(kind: KernelKind, shape: TargetShape) -> tuple[BucketConfig,
             BucketConfig(None, KernelConfig(block_v=min(wide, cap), num_warps=4, fused_flush=False)),
         )
     if kind is KernelKind.REPLAY_VERIFY:
-        block_v = min(32, cap)
-        return (BucketConfig(None, KernelConfig(block_v=block_v, num_warps=4, fold_dot=block_v >= MIN_DOT and shape.key_dim >= MIN_DOT)),)
+        return (BucketConfig(None, KernelConfig(block_v=min(32, cap), num_warps=2)),)
     if kind is KernelKind.COMMIT:
         return (BucketConfig(None, KernelConfig(block_v=max(CURSOR_GRAIN, _next_pow2(shape.value_dim)), num_warps=1)),)
     return (BucketConfig(None, KernelConfig(block_v=16, num_warps=4)),)

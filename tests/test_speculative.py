@@ -62,10 +62,10 @@ def test_ring_wraps_around(mamba2):
 def test_precomputed_scores(mamba2, tokens, readout_dot, route):
     """Ring and window scores from `_scores_kernel` (one program per key head) in verify and decode, mixed steps,
     over windows shorter than the spec's (token rows of the scores workspace left unused) and a wrapping ring;
-    with readout_dot the verify reads the state and ring by tensor-core products; on the state-and-output route
+    with readout_dot the verify reads the state and ring by tensor-core products (and folds by one); on the state-and-output route
     it folds the buffer on every step and reads the formed state."""
     shape = replace(SMALL, capacity=9, window=4)
-    verify = KernelConfig(block_v=16 if readout_dot else 8, num_warps=1, precompute_scores=True, readout_dot=readout_dot, route=Route(route))
+    verify = KernelConfig(block_v=16 if readout_dot else 8, num_warps=1, precompute_scores=True, readout_dot=readout_dot, fold_dot=readout_dot, route=Route(route))
     decode = KernelConfig(block_v=8, num_warps=1, precompute_scores=True)
     module = load_kernels(mamba2, shape, {KernelKind.REPLAY_VERIFY: (BucketConfig(None, verify),), KernelKind.REPLAY_DECODE: (BucketConfig(None, decode),)})
     report = check_speculative(module, mamba2, shape, device=DEVICE, tokens=tokens, mixed=True, steps=12, seed=20 + tokens)

@@ -685,11 +685,11 @@ def test_gpu_names():
 
 def test_replay_search_starts_from_the_baselines_step_in_its_best_launch_shape(mamba2, tmp_path):
     """After the baseline's search at a batch, replay decode enqueues flush_at=1 (the baseline's step on the checkpoint)
-    in the baseline winner's block_v and warps, right after its default."""
+    in the baseline winner's block_v and warps, with the one-entry fold loop, right after its default."""
     results, store, _ = run(mamba2, tmp_path, (BD, RD), (8,), trials=4)
     base, replay = results
     replay_trials = [t.config for t in store.trials if t.key.kind is RD]
-    seed = KernelConfig(block_v=base.best.config.block_v, num_warps=base.best.config.num_warps, flush_at=1)
+    seed = KernelConfig(block_v=base.best.config.block_v, num_warps=base.best.config.num_warps, flush_at=1, fold_chunk=1)
     assert replay_trials[:2] == [replay.default.config, seed]
     alone, store_alone, _ = run(mamba2, tmp_path / "alone", (RD,), (8,), trials=4)
     assert seed not in [t.config for t in store_alone.trials][:2]  # no baseline recorded: no such seed

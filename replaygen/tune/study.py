@@ -239,7 +239,9 @@ class Tuner:
 
     def _seeds(self, task: SearchTask) -> tuple[KernelConfig, ...]:
         """Replay decode also starts from the baseline's step on the checkpoint (flush_at=1) in the launch shape of the
-        best baseline decode recorded at this batch: a bucket where buffering does not pay keeps close to the baseline."""
+        best baseline decode recorded at this batch: a bucket where buffering does not pay keeps close to the baseline.
+        The seed folds one entry per loop step (fold_chunk=1): that loop runs only for entries a larger threshold left,
+        and unrolled chunks would cost registers, so programs per multiprocessor, on every step (docs/perf.md entry 12)."""
         if task.kind is not KernelKind.REPLAY_DECODE:
             return ()
         fingerprint = self.environment.fingerprint()
@@ -251,7 +253,7 @@ class Tuner:
         if not baselines:
             return ()
         best = min(baselines, key=lambda t: t.value).config
-        return (KernelConfig(block_v=best.block_v, num_warps=best.num_warps, flush_at=1),)
+        return (KernelConfig(block_v=best.block_v, num_warps=best.num_warps, flush_at=1, fold_chunk=1),)
 
     def _exhaustive(self, task: SearchTask, deadline: float | None) -> SearchResult:
         results: dict[KernelConfig, TrialRecord] = {}
