@@ -3,8 +3,12 @@
 import pytest
 import torch
 
-from replaygen.harness import InputFactory
+from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route
+from replaygen.harness import InputFactory, check_speculative
 from replaygen.runtime import load_kernels
+from replaygen.spec import load_spec
+
+from conftest import ROOT
 
 pytestmark = pytest.mark.gpu
 
@@ -14,9 +18,15 @@ def _same_state(module, a, b, slots):
     assert torch.equal(module.materialize(a, slots), module.materialize(b, slots))
 
 
-def test_verify_commit_graph_matches_eager(mamba2):
+# Verify launches as the H100 records pick them: precomputed scores (a second launch in the graph), both routes.
+SCORED = KernelConfig(block_v=32, num_warps=1, precompute_scores=True)
+SCORED_STATE = KernelConfig(block_v=8, num_warps=1, precompute_scores=True, route=Route.STATE_AND_OUTPUT)
+
+
+@pytest.mark.parametrize("config", [None, SCORED, SCORED_STATE], ids=["default", "scores", "scores-state-route"])
+def test_verify_commit_graph_matches_eager(mamba2, config):
     shape = mamba2.shape("nemotron-h-mtp")
-    module = load_kernels(mamba2, shape)
+    module = load_kernels(mamba2, shape, None if config is None else {KernelKind.REPLAY_VERIFY: (BucketConfig(None, config),)})
     batch, tokens = 6, shape.window
     factory = InputFactory(mamba2, shape, "cuda", torch.bfloat16, seed=0)
     weights = factory.weights()
@@ -82,3 +92,18 @@ def test_decode_graph_matches_eager_across_flushes(mamba2):
         expected = module.decode(eager, slots, **inputs, **weights)
         assert torch.equal(out, expected)
         _same_state(module, eager, graphed, slots)
+
+
+@pytest.mark.parametrize("spec_name,shape_name", [("mamba2", "nemotron-h-mtp"), ("gdn", "qwen3.5-mtp")])
+@pytest.mark.parametrize("config", [
+    SCORED, SCORED_STATE, KernelConfig(block_v=32, num_warps=2, precompute_scores=True, readout_dot=True, fold_dot=True),
+], ids=["scores", "scores-state-route", "readout-dot"])
+def test_verify_options_match_the_reference(spec_name, shape_name, config):
+    """The verify options against the float64 reference on the GPU at the spec's MTP shape (tensor-core paths run
+    in tf32x3 here, exactly in the interpreter)."""
+    spec = load_spec(ROOT / "specs" / f"{spec_name}.yaml")
+    shape = spec.shape(shape_name)
+    module = load_kernels(spec, shape, {KernelKind.REPLAY_VERIFY: (BucketConfig(None, config),)})
+    for accept in ("random", "all"):
+        report = check_speculative(module, spec, shape, device="cuda", act_dtype=torch.bfloat16, accept=accept, steps=16, seed=3)
+        assert report.ok, "\n".join(report.lines())
