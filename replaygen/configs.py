@@ -113,6 +113,8 @@ def validate_config(kind: KernelKind, shape: TargetShape, config: KernelConfig) 
         raise UnsupportedShapeError(f"{kind.value}: fold_chunk={config.fold_chunk} must be 1, 2, 4 or 8")
     if config.fold_dot and (config.block_v < MIN_DOT or shape.key_dim < MIN_DOT):
         raise UnsupportedShapeError(f"{kind.value}: fold_dot needs block_v and key_dim >= {MIN_DOT} (tl.dot), got {config.block_v}, {shape.key_dim}")
+    if config.readout_dot and kind is not KernelKind.REPLAY_VERIFY:
+        raise UnsupportedShapeError(f"{kind.value}: readout_dot applies to replay_verify only")
     if config.readout_dot and (config.block_v < MIN_DOT or not config.precompute_scores):
         raise UnsupportedShapeError(f"{kind.value}: readout_dot needs block_v >= {MIN_DOT} (tl.dot) and precompute_scores, got block_v={config.block_v}, precompute_scores={config.precompute_scores}")
     if config.max_registers and not 24 <= config.max_registers <= 255:

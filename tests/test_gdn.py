@@ -81,9 +81,9 @@ def test_verify_precomputed_scores(layout, readout_dot, route):
     route folds the buffer on every verify."""
     spec = gdn(layout)
     shape = replace(SMALL, capacity=9, window=4)
-    config = KernelConfig(block_v=16 if readout_dot else 8, num_warps=1, precompute_scores=True, readout_dot=readout_dot, route=Route(route))
-    table = (BucketConfig(None, config),)
-    module = load_kernels(spec, shape, {KernelKind.REPLAY_VERIFY: table, KernelKind.REPLAY_DECODE: table})
+    config = KernelConfig(block_v=16 if readout_dot else 8, num_warps=1, precompute_scores=True, route=Route(route))
+    verify = (BucketConfig(None, replace(config, readout_dot=readout_dot)),)
+    module = load_kernels(spec, shape, {KernelKind.REPLAY_VERIFY: verify, KernelKind.REPLAY_DECODE: (BucketConfig(None, config),)})
     assert_passes(check_speculative(module, spec, shape, device=DEVICE, mixed=True, steps=12, seed=11))
     assert_passes(check_speculative(module, spec, shape, device=DEVICE, tokens=3, accept="all", steps=8, seed=12))
 

@@ -107,6 +107,14 @@ def test_invalid_config_rejected_before_compile(mamba2):
     configs[KernelKind.REPLAY_DECODE] = (BucketConfig(8, KernelConfig(block_v=16)),)
     with pytest.raises(UnsupportedShapeError, match="open-ended"):
         plan_module(mamba2, shape, "h100", configs, "defaults")
+    configs[KernelKind.REPLAY_DECODE] = default_configs(KernelKind.REPLAY_DECODE, shape)
+    configs[KernelKind.REPLAY_VERIFY] = (BucketConfig(None, KernelConfig(block_v=16, readout_dot=True)),)
+    with pytest.raises(UnsupportedShapeError, match="readout_dot needs block_v >= 16 .tl.dot. and precompute_scores"):
+        plan_module(mamba2, shape, "h100", configs, "defaults")
+    configs[KernelKind.REPLAY_VERIFY] = default_configs(KernelKind.REPLAY_VERIFY, shape)
+    configs[KernelKind.REPLAY_DECODE] = (BucketConfig(None, KernelConfig(block_v=16, precompute_scores=True, readout_dot=True)),)
+    with pytest.raises(UnsupportedShapeError, match="readout_dot applies to replay_verify only"):
+        plan_module(mamba2, shape, "h100", configs, "defaults")
 
 
 def test_every_shape_of_every_shipped_spec_compiles(mamba2):
