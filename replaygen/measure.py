@@ -135,16 +135,19 @@ class DecodeWorkload:
             state.cursor[..., 1] = phase[:, None, None]
 
     def time_replay(self, route: str, flush_at: int, repeats: int = 30) -> Timing:
-        """Per-step time of replay decode over whole flush cycles of `flush_at` steps."""
+        """Per-step time of replay decode over whole flush cycles of `flush_at` steps, as many cycles as cover the
+        buffer capacity L: the baseline's graph holds L steps, and a graph of fewer steps would carry more of
+        the graph launch per step (flush_at=1 measured up to 12% slow at batch 1-8 so, docs/perf.md entry 12)."""
         self.stagger(flush_at)
+        steps = flush_at * -(-self.shape.capacity // flush_at)
 
         def cycle() -> None:
-            for _ in range(flush_at):
+            for _ in range(steps):
                 for state, inputs in zip(self.replay, self.inputs):
                     self.module.decode(state, self.slots, **inputs, **self.weights, route=route, flush_at=flush_at)
 
         graph = capture(cycle)
-        return time_callable(graph.replay, repeats=repeats, per_call=flush_at * self.layers)
+        return time_callable(graph.replay, repeats=repeats, per_call=steps * self.layers)
 
     def time_baseline(self, steps: int, repeats: int = 30) -> Timing:
         def cycle() -> None:
