@@ -99,30 +99,13 @@
 #   ],
 #   "replay_decode": [
 #    [
-#     1,
+#     8,
 #     {
 #      "block_v": 8,
 #      "flush_at": 1,
 #      "fold_chunk": 1,
 #      "fold_dot": false,
 #      "fused_flush": true,
-#      "max_registers": 0,
-#      "num_stages": 1,
-#      "num_warps": 1,
-#      "precompute_scores": false,
-#      "prefetch_ring": true,
-#      "readout_dot": false,
-#      "route": "output_only"
-#     }
-#    ],
-#    [
-#     8,
-#     {
-#      "block_v": 16,
-#      "flush_at": 1,
-#      "fold_chunk": 4,
-#      "fold_dot": false,
-#      "fused_flush": false,
 #      "max_registers": 0,
 #      "num_stages": 1,
 #      "num_warps": 1,
@@ -266,8 +249,7 @@ _BASELINE_DECODE_CONFIGS = (
     (None, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0}),
 )
 _REPLAY_DECODE_CONFIGS = (
-    (1, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0}),
-    (8, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': False, 'readout_dot': False, 'max_registers': 0}),
+    (8, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0}),
     (32, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 16, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0}),
     (None, {'block_v': 32, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 16, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0}),
 )

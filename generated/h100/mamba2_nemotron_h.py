@@ -137,7 +137,7 @@
 #     {
 #      "block_v": 16,
 #      "flush_at": 1,
-#      "fold_chunk": 4,
+#      "fold_chunk": 1,
 #      "fold_dot": false,
 #      "fused_flush": true,
 #      "max_registers": 0,
@@ -153,13 +153,13 @@
 #     8,
 #     {
 #      "block_v": 32,
-#      "flush_at": 12,
+#      "flush_at": 16,
 #      "fold_chunk": 4,
 #      "fold_dot": false,
 #      "fused_flush": true,
 #      "max_registers": 0,
 #      "num_stages": 1,
-#      "num_warps": 2,
+#      "num_warps": 4,
 #      "precompute_scores": false,
 #      "prefetch_ring": true,
 #      "readout_dot": false,
@@ -282,8 +282,8 @@ _BASELINE_DECODE_CONFIGS = (
     (None, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0}),
 )
 _REPLAY_DECODE_CONFIGS = (
-    (1, {'block_v': 16, 'num_warps': 8, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0}),
-    (8, {'block_v': 32, 'num_warps': 2, 'num_stages': 1, 'route': 'output_only', 'flush_at': 12, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0}),
+    (1, {'block_v': 16, 'num_warps': 8, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0}),
+    (8, {'block_v': 32, 'num_warps': 4, 'num_stages': 1, 'route': 'output_only', 'flush_at': 16, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0}),
     (None, {'block_v': 32, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 16, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0}),
 )
 _MATERIALIZE_CONFIGS = (
