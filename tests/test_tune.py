@@ -85,18 +85,19 @@ def test_space_of_the_main_shape(mamba2):
         "prefetch_ring": both,
         "fold_chunk": (1, 2, 4),
         "fold_dot": both,
+        "readout_dot": (False,),
     }
     assert space.size == 4 * 4 * 2 * 2 * 16 * 2 * 2 * 2 * 3 * 2
     assert space.default == KernelConfig(block_v=64, num_warps=4, flush_at=16, fused_flush=False)  # the default's 0 written as L
     assert space.candidates()[0] == space.default
     assert derive_space(RD, shape, batch=1).default == KernelConfig(block_v=32, num_warps=4, flush_at=16)
-    assert {p.name for p in derive_space(RD, shape, 128, channel_decay=True).free} == set(choices) - {"num_stages", "precompute_scores"}
+    assert {p.name for p in derive_space(RD, shape, 128, channel_decay=True).free} == set(choices) - {"num_stages", "precompute_scores", "readout_dot"}
     baseline = derive_space(BD, shape, batch=8)
     assert [p.name for p in baseline.free] == ["block_v", "num_warps"]  # no loop, no route, no flush, no register cap
     assert len(baseline.candidates()) == 15  # 16 points, block_v=64 on one warp spills
-    verify = {"block_v", "num_warps", "max_registers", "prefetch_ring", "fold_chunk", "fold_dot", "precompute_scores"}
+    verify = {"block_v", "num_warps", "max_registers", "route", "prefetch_ring", "fold_chunk", "fold_dot", "precompute_scores", "readout_dot"}
     assert {p.name for p in derive_space(RV, shape, 8).free} == verify
-    assert {p.name for p in derive_space(RV, shape, 8, channel_decay=True).free} == verify - {"precompute_scores"}
+    assert {p.name for p in derive_space(RV, shape, 8, channel_decay=True).free} == verify - {"precompute_scores", "readout_dot"}
 
 
 def test_pruning_rules(mamba2):
