@@ -156,13 +156,12 @@ def baseline_verify_bytes(spec: Spec, shape: TargetShape, act: DType, tokens: in
 def best_verify_capacity(spec: Spec, shape: TargetShape, act: DType, tokens: int, max_ring: int = 32, slack: float = 0.02) -> int:
     """Buffer capacity for windows of T tokens: the smallest L >= 2T with a ring of L + T positions a power of two
     (the kernels pad the ring tile to one) whose bytes per verify step (every token accepted) are within `slack` of
-    the fewest; rings of at most `max_ring` positions, because the verify kernel's register tiles grow with the ring
-    while the bytes barely move."""
+    the fewest; rings of at most `max_ring` positions (or the smallest ring that holds L = 2T, for long windows),
+    because the verify kernel's register tiles grow with the ring while the bytes barely move."""
     from dataclasses import replace
 
-    candidates = [(1 << b) - tokens for b in range(1, max_ring.bit_length()) if 2 * tokens <= (1 << b) - tokens]
-    if not candidates:
-        raise ValueError(f"no ring of at most {max_ring} positions holds L >= 2T = {2 * tokens} committed entries plus the window")
+    largest = max(max_ring, 1 << (3 * tokens - 1).bit_length())
+    candidates = [(1 << b) - tokens for b in range(1, largest.bit_length()) if 2 * tokens <= (1 << b) - tokens]
     cost = {L: replay_verify_bytes(spec, replace(shape, capacity=L), act, tokens).total for L in candidates}
     fewest = min(cost.values())
     return min(L for L in candidates if cost[L] <= (1 + slack) * fewest)

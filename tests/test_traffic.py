@@ -3,7 +3,7 @@
 import pytest
 
 from replaygen.spec.model import DType
-from replaygen.traffic import baseline_decode_bytes, entry_bytes, replay_decode_bytes, slot_memory, speedup_bound
+from replaygen.traffic import baseline_decode_bytes, best_verify_capacity, entry_bytes, replay_decode_bytes, slot_memory, speedup_bound
 
 from conftest import SMALL
 
@@ -49,3 +49,11 @@ def test_slot_memory(mamba2):
     assert m.baseline == STATE
     # ring of L + T = 5 entries; one cursor copy (8 bytes) per head and 8 value rows
     assert m.replay == STATE + 5 * ENTRY + 4 * 1 * 8
+
+
+def test_verify_capacity_fills_a_power_of_two_ring(mamba2):
+    """L >= 2T with L + T a power of two, at most 32 positions, unless the window needs more (L = 2T fits then)."""
+    shape = mamba2.shape("nemotron-h")
+    chosen = {t: best_verify_capacity(mamba2, shape, DType.BFLOAT16, t) for t in (1, 2, 4, 8, 11, 16)}
+    assert chosen == {1: 15, 2: 30, 4: 28, 8: 24, 11: 53, 16: 48}
+    assert mamba2.shape("nemotron-h-mtp").capacity == chosen[4]
