@@ -249,27 +249,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ReplaygenError(f"--L values must be at least 2 (the kernels need L >= 2T), got '{args.capacities}'")
     capacity_batches = _int_list("--L-batch", args.capacity_batches) if args.capacity_batches else None
     shapes = select_shapes(spec, args.shape)
+    act_dtype = getattr(torch, DTYPES[args.dtype])
     tuned = None
     if args.gpu:
         from replaygen.bench import TORCH_TO_DTYPE, verify_shape
         from replaygen.tune.apply import resolve_configs
 
-        act = TORCH_TO_DTYPE[getattr(torch, DTYPES[args.dtype])]
         tuned = {}
-        for shape in shapes:
-            resolved = resolve_configs(spec, shape, args.gpu, args.tune_dir)
+
+        def resolve(shape, allow_default: bool = False) -> None:
+            resolved = resolve_configs(spec, shape, args.gpu, args.tune_dir, allow_default=allow_default)
             for note in resolved.notes:
                 print(f"{shape.name}: {note}")
             tuned[shape.name] = resolved.configs
+
+        for shape in shapes:
+            resolve(shape)
         # Verify runs on the shape with the buffer capacity the traffic model prefers; a spec shape of its own
         # (e.g. nemotron-h-mtp) brings its tuning records, or the documented defaults when it has none.
-        for vshape in {verify_shape(shape, spec, act, tokens) for shape in shapes for tokens in windows}:
+        act = TORCH_TO_DTYPE[act_dtype]
+        for vshape in dict.fromkeys(verify_shape(shape, spec, act, tokens) for shape in shapes for tokens in windows):
             if vshape.name not in tuned and vshape in spec.shapes:
-                resolved = resolve_configs(spec, vshape, args.gpu, args.tune_dir, allow_default=True)
-                for note in resolved.notes:
-                    print(f"{vshape.name}: {note}")
-                tuned[vshape.name] = resolved.configs
-    run(spec, shapes, batches, getattr(torch, DTYPES[args.dtype]), args.out, args.sweep, windows,
+                resolve(vshape, allow_default=True)
+    run(spec, shapes, batches, act_dtype, args.out, args.sweep, windows,
         capacities=capacities, capacity_batches=capacity_batches, plots=args.plots, tuned=tuned)
     return 0
 
