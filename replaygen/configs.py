@@ -145,7 +145,7 @@ def default_configs(kind: KernelKind, shape: TargetShape) -> tuple[BucketConfig,
     if kind is KernelKind.REPLAY_VERIFY:
         return (BucketConfig(None, KernelConfig(block_v=min(32, cap), num_warps=2)),)
     if kind is KernelKind.COMMIT:
-        return (BucketConfig(None, KernelConfig(block_v=max(CURSOR_GRAIN, _next_pow2(shape.value_dim)), num_warps=1)),)
+        return (BucketConfig(None, KernelConfig(block_v=max(CURSOR_GRAIN, _next_pow2(shape.value_dim)), num_warps=4)),)
     return (BucketConfig(None, KernelConfig(block_v=16, num_warps=4)),)
 
 

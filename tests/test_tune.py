@@ -319,7 +319,7 @@ def test_build_bakes_winners_per_bucket(mamba2, tmp_path, capsys):
     module = out / "h100" / "mamba2_nemotron_h.py"
     assert table(module, RD) == [(1, fast1.as_dict()), (None, fast8.as_dict())]  # b8 and b512 share one winner
     assert table(module, BD) == [(None, base.as_dict())]
-    assert table(module, KernelKind.COMMIT) == [(None, KernelConfig(block_v=64, num_warps=1).as_dict())]
+    assert table(module, KernelKind.COMMIT) == [(None, KernelConfig(block_v=64, num_warps=4).as_dict())]
     assert path.name in module.read_text()
 
 
