@@ -162,10 +162,10 @@
 #      "max_registers": 0,
 #      "num_stages": 1,
 #      "num_warps": 1,
-#      "precompute_scores": true,
+#      "precompute_scores": false,
 #      "prefetch_ring": true,
 #      "readout_dot": false,
-#      "route": "output_only"
+#      "route": "state_and_output"
 #     }
 #    ],
 #    [
@@ -179,10 +179,10 @@
 #      "max_registers": 0,
 #      "num_stages": 1,
 #      "num_warps": 1,
-#      "precompute_scores": true,
+#      "precompute_scores": false,
 #      "prefetch_ring": true,
 #      "readout_dot": false,
-#      "route": "output_only"
+#      "route": "state_and_output"
 #     }
 #    ],
 #    [
@@ -293,8 +293,8 @@ _LOAD_CONFIGS = (
     (None, {'block_v': 16, 'num_warps': 4, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0}),
 )
 _REPLAY_VERIFY_CONFIGS = (
-    (1, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0}),
-    (8, {'block_v': 32, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0}),
+    (1, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'state_and_output', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0}),
+    (8, {'block_v': 32, 'num_warps': 1, 'num_stages': 1, 'route': 'state_and_output', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0}),
     (None, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0}),
 )
 _COMMIT_CONFIGS = (
