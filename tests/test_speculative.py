@@ -9,7 +9,7 @@ from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route
 from replaygen.harness import check_speculative
 from replaygen.runtime import load_kernels
 
-from conftest import DEVICE, SMALL
+from conftest import DEVICE, ODD, SMALL
 
 SPEC_SHAPE = replace(SMALL, capacity=8, window=4)
 
@@ -97,6 +97,26 @@ def test_verify_does_not_commit(kernels):
     after = kernels.materialize(state, slots)
     assert torch.equal(after[0], init[0]) and not torch.equal(after[1], init[1])
     assert state.cursor[1, ..., 1].unique().tolist() == [2]
+
+
+@pytest.mark.parametrize("block_v", [8, 16])
+def test_commit_moves_every_cursor_copy(mamba2, block_v):
+    """commit adds each row's clamped accepted count to every cursor copy of its slot (every head, every value
+    block; 6 heads and 2 copies per head exercise the masks), leaves the ring starts alone, and never touches
+    the cursors of padded rows or of slots outside the batch."""
+    shape = replace(ODD, capacity=8, window=3)
+    module = load_kernels(mamba2, shape, {KernelKind.COMMIT: (BucketConfig(None, KernelConfig(block_v=block_v, num_warps=1)),)})
+    assert module.CURSOR_BLOCKS == 2
+    state = module.allocate(4, DEVICE, torch.float32)
+    state.cursor[..., 0] = torch.arange(4, dtype=torch.int32, device=DEVICE).view(4, 1, 1) + 5
+    state.cursor[..., 1] = torch.arange(4, dtype=torch.int32, device=DEVICE).view(4, 1, 1)
+    before = state.cursor.clone()
+    slots = torch.tensor([2, -1, 0], dtype=torch.int32, device=DEVICE)
+    module.commit(state, slots, torch.tensor([2, 3, 7], dtype=torch.int32, device=DEVICE))
+    assert torch.equal(state.cursor[..., 0], before[..., 0])
+    assert state.cursor[2, ..., 1].unique().tolist() == [2 + 2]
+    assert state.cursor[0, ..., 1].unique().tolist() == [0 + 3]  # 7 clamped to T = 3
+    assert torch.equal(state.cursor[[1, 3]], before[[1, 3]])
 
 
 class TestApiErrors:
