@@ -83,11 +83,11 @@ def test_space_of_the_main_shape(mamba2):
         "precompute_scores": both,
         "fused_flush": both,
         "prefetch_ring": both,
-        "fold_chunk": (1, 2, 4),
+        "fold_chunk": (1, 2, 4, 8),
         "fold_dot": both,
         "readout_dot": (False,),
     }
-    assert space.size == 4 * 4 * 2 * 2 * 16 * 2 * 2 * 2 * 3 * 2
+    assert space.size == 4 * 4 * 2 * 2 * 16 * 2 * 2 * 2 * 4 * 2
     assert space.default == KernelConfig(block_v=64, num_warps=4, flush_at=16, fused_flush=False)  # the default's 0 written as L
     assert space.candidates()[0] == space.default
     assert derive_space(RD, shape, batch=1).default == KernelConfig(block_v=32, num_warps=4, flush_at=16)
@@ -134,7 +134,7 @@ def test_fix_and_space_key(mamba2):
     space = derive_space(RD, shape, batch=128)
     assert space.key() == derive_space(RD, shape, batch=128).key()
     fixed = space.fix("flush_at", "16").fix("route", "output_only").fix("fold_dot", "False")
-    assert fixed.size == 4 * 4 * 2 * 2 * 2 * 2 * 3 and fixed.key() != space.key()
+    assert fixed.size == 4 * 4 * 2 * 2 * 2 * 2 * 4 and fixed.key() != space.key()
     assert derive_space(RD, replace(shape, capacity=8), batch=128).key() != space.key()
     with pytest.raises(Exception, match="flush_at in 1"):
         space.fix("flush_at", "99")

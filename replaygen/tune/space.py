@@ -15,7 +15,7 @@ templates read (nothing else is invented):
                       kernel
     fused_flush       replay_decode only: fold full buffers in the decode kernel, or in a persistent second launch
     prefetch_ring     replay kernels: read every ring position without waiting for the cursor
-    fold_chunk        replay kernels: 1, 2, 4 buffered entries loaded together per step of the fold loop
+    fold_chunk        replay kernels: 1, 2, 4, 8 buffered entries loaded together per step of the fold loop
     fold_dot          replay kernels: fold by one tensor-core product (tf32x3) instead of the loop
     readout_dot       replay_verify only, per-head decay only: the window's readouts of the state and ring as
                       tensor-core products (tf32x3); needs precompute_scores and 16 value rows
@@ -65,7 +65,7 @@ TUNABLE_KINDS: tuple[KernelKind, ...] = (
 REPLAY_KINDS = frozenset({KernelKind.REPLAY_DECODE, KernelKind.REPLAY_VERIFY})
 NUM_WARPS: tuple[int, ...] = (1, 2, 4, 8)
 MAX_REGISTERS: tuple[int, ...] = (0, 128)
-FOLD_CHUNKS: tuple[int, ...] = (1, 2, 4)
+FOLD_CHUNKS: tuple[int, ...] = (1, 2, 4, 8)
 MAX_TILE_VALUES_PER_THREAD = 128
 
 
