@@ -68,6 +68,7 @@ class KernelConfig:
     fused_flush: bool = True  # replay decode: fold full buffers in the decode kernel, or in a second launch
     readout_dot: bool = False  # replay verify: read the state and ring at every window token by tensor-core products (tf32x3)
     max_registers: int = 0  # per-thread register cap (ptxas maxnreg; more programs per SM); 0 = the compiler's choice
+    evict_state: bool = False  # state loads and stores evict-first in L2, so small data (cursors, inputs) stays cached
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -83,6 +84,7 @@ class KernelConfig:
             "fused_flush": self.fused_flush,
             "readout_dot": self.readout_dot,
             "max_registers": self.max_registers,
+            "evict_state": self.evict_state,
         }
 
 

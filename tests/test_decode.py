@@ -199,7 +199,7 @@ class TestApiErrors:
 
 @pytest.mark.parametrize("config", [
     pytest.param(dict(block_v=8), id="fused-flush"),
-    pytest.param(dict(block_v=16, fused_flush=False, precompute_scores=True, fold_chunk=2), id="flush-launch-scores"),
+    pytest.param(dict(block_v=16, fused_flush=False, precompute_scores=True, fold_chunk=2, evict_state=True), id="flush-launch-scores-evict"),
     pytest.param(dict(block_v=16, fold_dot=True, prefetch_ring=False, fold_chunk=1), id="dot-fold-no-prefetch"),
 ])
 def test_flush_threshold_changes_between_steps(mamba2, config):

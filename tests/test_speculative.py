@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route
-from replaygen.harness import check_speculative
+from replaygen.harness import check_decode, check_speculative
 from replaygen.runtime import load_kernels
 
 from conftest import DEVICE, ODD, SMALL
@@ -45,6 +45,23 @@ def test_only_first_token_kept_with_baseline(mamba2, kernels):
 def test_mixed_decode_and_verify(mamba2, kernels):
     report = check_speculative(kernels, mamba2, SPEC_SHAPE, device=DEVICE, mixed=True, steps=12, seed=8)
     assert_passes(report, ("replay_verify", "replay_decode", "materialize"))
+
+
+def test_evict_state_changes_no_result(mamba2):
+    """evict_state only sets the L2 policy of the state's loads and stores: every tuned kernel with it on, the replay
+    decode through the separate flush launch, mixed with verify windows and against the snapshot baseline."""
+    evict = {
+        KernelKind.REPLAY_VERIFY: KernelConfig(block_v=8, num_warps=1, precompute_scores=True, evict_state=True),
+        KernelKind.REPLAY_DECODE: KernelConfig(block_v=8, num_warps=1, fused_flush=False, evict_state=True),
+        KernelKind.BASELINE_VERIFY: KernelConfig(block_v=8, num_warps=1, evict_state=True),
+        KernelKind.BASELINE_DECODE: KernelConfig(block_v=8, num_warps=1, evict_state=True),
+    }
+    module = load_kernels(mamba2, SPEC_SHAPE, {kind: (BucketConfig(None, config),) for kind, config in evict.items()})
+    mixed = check_speculative(module, mamba2, SPEC_SHAPE, device=DEVICE, mixed=True, steps=10, seed=12)
+    assert_passes(mixed, ("replay_verify", "replay_decode", "materialize"))
+    against_baseline = check_speculative(module, mamba2, SPEC_SHAPE, device=DEVICE, steps=8, seed=13)
+    assert_passes(against_baseline, ("replay_verify", "baseline_verify", "baseline_state"))
+    assert_passes(check_decode(module, mamba2, SPEC_SHAPE, device=DEVICE, cycles=3), ("replay_decode", "baseline_decode"))
 
 
 def test_ring_wraps_around(mamba2):

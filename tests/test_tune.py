@@ -86,16 +86,17 @@ def test_space_of_the_main_shape(mamba2):
         "fold_chunk": (1, 2, 4, 8),
         "fold_dot": both,
         "readout_dot": (False,),
+        "evict_state": both,
     }
-    assert space.size == 4 * 4 * 2 * 2 * 16 * 2 * 2 * 2 * 4 * 2
+    assert space.size == 4 * 4 * 2 * 2 * 16 * 2 * 2 * 2 * 4 * 2 * 2
     assert space.default == KernelConfig(block_v=64, num_warps=4, flush_at=16, fused_flush=False)  # the default's 0 written as L
     assert space.candidates()[0] == space.default
     assert derive_space(RD, shape, batch=1).default == KernelConfig(block_v=32, num_warps=4, flush_at=16)
     assert {p.name for p in derive_space(RD, shape, 128, channel_decay=True).free} == set(choices) - {"num_stages", "precompute_scores", "readout_dot"}
     baseline = derive_space(BD, shape, batch=8)
-    assert [p.name for p in baseline.free] == ["block_v", "num_warps"]  # no loop, no route, no flush, no register cap
-    assert len(baseline.candidates()) == 15  # 16 points, block_v=64 on one warp spills
-    verify = {"block_v", "num_warps", "max_registers", "route", "prefetch_ring", "fold_chunk", "fold_dot", "precompute_scores", "readout_dot"}
+    assert [p.name for p in baseline.free] == ["block_v", "num_warps", "evict_state"]  # no loop, route, flush or register cap
+    assert len(baseline.candidates()) == 30  # 32 points, block_v=64 on one warp spills
+    verify = {"block_v", "num_warps", "max_registers", "route", "prefetch_ring", "fold_chunk", "fold_dot", "precompute_scores", "readout_dot", "evict_state"}
     assert {p.name for p in derive_space(RV, shape, 8).free} == verify
     assert {p.name for p in derive_space(RV, shape, 8, channel_decay=True).free} == verify - {"precompute_scores", "readout_dot"}
 
@@ -134,7 +135,7 @@ def test_fix_and_space_key(mamba2):
     space = derive_space(RD, shape, batch=128)
     assert space.key() == derive_space(RD, shape, batch=128).key()
     fixed = space.fix("flush_at", "16").fix("route", "output_only").fix("fold_dot", "False")
-    assert fixed.size == 4 * 4 * 2 * 2 * 2 * 2 * 4 and fixed.key() != space.key()
+    assert fixed.size == 4 * 4 * 2 * 2 * 2 * 2 * 4 * 2 and fixed.key() != space.key()
     assert derive_space(RD, replace(shape, capacity=8), batch=128).key() != space.key()
     with pytest.raises(Exception, match="flush_at in 1"):
         space.fix("flush_at", "99")
@@ -213,7 +214,7 @@ def test_every_config_field_survives_merged_writes(mamba2, tmp_path):
     """Each write merges with the file on disk: a trial written first must keep every knob (a reader that dropped
     the newer fields once reset them to their defaults on every later write)."""
     first = trial(mamba2, SHAPE, RD, KernelConfig(block_v=16, num_warps=1, flush_at=3, precompute_scores=True, fused_flush=False,
-                                                   max_registers=128, fold_chunk=2, fold_dot=True, prefetch_ring=False), 8, 1.0)
+                                                   max_registers=128, fold_chunk=2, fold_dot=True, prefetch_ring=False, evict_state=True), 8, 1.0)
     write(tmp_path, mamba2, SHAPE, [first])
     path = write(tmp_path, mamba2, SHAPE, [trial(mamba2, SHAPE, RD, KernelConfig(block_v=16, flush_at=3), 8, 2.0)])
     assert read_records(path).trials[0] == first
@@ -446,7 +447,7 @@ def test_optuna_search_records_every_trial_and_failures_never_win(mamba2, tmp_pa
     results, store, fake = run(mamba2, tmp_path, (BD,), (8,), trials=100)
     (result,) = results
     assert result.mode is Mode.OPTUNA and result.study.startswith("replaygen:mamba2:nemotron-h:baseline_decode:b8:h100:")
-    assert result.measured == result.trials == 15  # stopped once all 15 candidates were seen
+    assert result.measured == result.trials == 30  # stopped once all 30 candidates were seen
     assert result.measured == len(store.trials) == len(fake.timed) + sum(t.status is not TrialStatus.OK for t in store.trials)
     assert result.default.config == derive_space(BD, mamba2.shape("nemotron-h"), 8).default  # enqueued first
     by_config = {t.config: t for t in store.trials}
@@ -498,7 +499,7 @@ def test_a_trial_left_running_by_a_killed_run_does_not_hide_the_default(mamba2, 
 
 def test_exhaustive_mode_and_optuna_on_an_enumerable_space(mamba2, tmp_path):
     fixed = (("flush_at", "16"), ("route", "output_only"), ("max_registers", "0"), ("precompute_scores", "False"), ("fused_flush", "True"),
-             ("prefetch_ring", "True"), ("fold_chunk", "4"), ("fold_dot", "False"))
+             ("prefetch_ring", "True"), ("fold_chunk", "4"), ("fold_dot", "False"), ("evict_state", "False"))
     exhaustive, store, _ = run(mamba2, tmp_path / "ex", (RD,), (128,), mode=Mode.EXHAUSTIVE, fixed=fixed)
     space = derive_space(RD, mamba2.shape("nemotron-h"), 128)
     for name, value in fixed:
@@ -516,17 +517,18 @@ def test_exhaustive_mode_and_optuna_on_an_enumerable_space(mamba2, tmp_path):
 
 
 def test_a_rerun_reuses_recorded_outcomes_and_retries_failures(mamba2, tmp_path):
-    first, store, _ = run(mamba2, tmp_path, (BD,), (8,), mode=Mode.EXHAUSTIVE)
+    fixed = (("evict_state", "False"),)
+    first, store, _ = run(mamba2, tmp_path, (BD,), (8,), mode=Mode.EXHAUSTIVE, fixed=fixed)
     assert first[0].measured == 15
-    again, store, fake = run(mamba2, tmp_path, (BD,), (8,), mode=Mode.EXHAUSTIVE)
+    again, store, fake = run(mamba2, tmp_path, (BD,), (8,), mode=Mode.EXHAUSTIVE, fixed=fixed)
     assert again[0].measured == 1 and fake.checked == [RAISES]  # WRONG is taken as recorded, the compile error tried again
     assert again[0].best == first[0].best and len(store.trials) == 16
 
 
 def test_a_tiny_space_ends_when_exhausted(mamba2, tmp_path):
-    fixed = (("block_v", "16"),)
+    fixed = (("block_v", "16"), ("evict_state", "False"))
     results, store, fake = run(mamba2, tmp_path, (BD,), (1,), trials=50, fixed=fixed)
-    assert results[0].measured == len(derive_space(BD, mamba2.shape("nemotron-h"), 1).fix("block_v", "16").candidates()) == 4
+    assert results[0].measured == len(derive_space(BD, mamba2.shape("nemotron-h"), 1).fix("block_v", "16").fix("evict_state", "False").candidates()) == 4
     assert len(fake.timed) == 4 and results[0].trials == 4  # the space is exhausted before 50
 
 

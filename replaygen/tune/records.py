@@ -209,6 +209,7 @@ def config_from_dict(raw: dict) -> KernelConfig:
         fused_flush=_bool(raw.get("fused_flush", default.fused_flush)),
         readout_dot=_bool(raw.get("readout_dot", default.readout_dot)),
         max_registers=_int(raw.get("max_registers", default.max_registers)),
+        evict_state=_bool(raw.get("evict_state", default.evict_state)),
     )
 
 

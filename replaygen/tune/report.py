@@ -20,6 +20,8 @@ def describe(config: KernelConfig, kind: KernelKind) -> str:
     text = f"bv={config.block_v} w={config.num_warps}"
     if config.max_registers:
         text += f" maxreg={config.max_registers}"
+    if config.evict_state:
+        text += " evict-state"
     if kind is KernelKind.REPLAY_DECODE:
         text += f" {config.route.value} flush={config.flush_at}"
         text += "" if config.fused_flush else " flush-launch"

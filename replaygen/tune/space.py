@@ -19,6 +19,8 @@ templates read (nothing else is invented):
     fold_dot          replay kernels: fold by one tensor-core product (tf32x3) instead of the loop
     readout_dot       replay_verify only, per-head decay only: the window's readouts of the state and ring as
                       tensor-core products (tf32x3); needs precompute_scores and 16 value rows
+    evict_state       every tuned kernel: the state's loads and stores evict-first in L2 (the state streams; the
+                      cursors, rings and inputs stay cached), or the default policy
 
 num_stages stays 1: no kernel has a loop whose loads Triton's pipeliner could prefetch (the fold's loads are
 unrolled by fold_chunk instead).
@@ -220,6 +222,7 @@ def derive_space(kind: KernelKind, shape: TargetShape, batch: int, channel_decay
         Parameter("fold_chunk", FOLD_CHUNKS if replay else (4,), Scale.LOG2),
         Parameter("fold_dot", both if replay else (False,), Scale.CATEGORICAL),
         Parameter("readout_dot", both if kind is KernelKind.REPLAY_VERIFY and not channel_decay else (False,), Scale.CATEGORICAL),
+        Parameter("evict_state", both, Scale.CATEGORICAL),
     )
     return SearchSpace(kind=kind, shape=shape, parameters=parameters, default=default_config(kind, shape, batch))
 
