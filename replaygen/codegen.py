@@ -6,10 +6,14 @@ a provenance header built only from hashes and the plan.
 
 from __future__ import annotations
 
+import ast
 import hashlib
+import io
 import json
 import os
 import tempfile
+import tokenize
+from collections.abc import Iterable
 from functools import lru_cache
 from pathlib import Path
 
@@ -113,6 +117,70 @@ def render_module(plan: ModulePlan) -> str:
 
 def source_hash(source: str) -> str:
     return hashlib.sha256(source.encode()).hexdigest()
+
+
+def reachable_source(source: str, roots: Iterable[str]) -> str:
+    """The code of a generated module that its top-level functions `roots` run: the imports and every top-level
+    definition the roots reach by name (transitively), in module order, their source lines without docstrings,
+    comments and blank lines. So comments, docstrings and code no root reaches leave it unchanged (and it reads the
+    same under every Python version: lines of the source, not a re-printed tree)."""
+    tree = ast.parse(source)
+    defined: dict[str, ast.stmt] = {}
+    always: list[ast.stmt] = []
+    for node in tree.body:
+        names = _defined_names(node)
+        if names:
+            defined.update(dict.fromkeys(names, node))
+        elif not _is_docstring(node):
+            always.append(node)
+    missing = [name for name in roots if name not in defined]
+    if missing:
+        raise KeyError(f"the module defines no {', '.join(missing)}")
+    reached: set[int] = set()
+    pending = [defined[name] for name in roots]
+    while pending:
+        node = pending.pop()
+        if id(node) not in reached:
+            reached.add(id(node))
+            pending += [defined[n.id] for n in ast.walk(node) if isinstance(n, ast.Name) and n.id in defined]
+    lines = source.splitlines()
+    comments = {
+        token.start[0]: token.start[1]
+        for token in tokenize.generate_tokens(io.StringIO(source).readline)
+        if token.type == tokenize.COMMENT
+    }
+    kept = []
+    for node in tree.body:
+        if node in always or id(node) in reached:
+            docstrings = _docstring_lines(node)
+            first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+            for number in range(first, node.end_lineno + 1):
+                line = lines[number - 1][: comments.get(number)].rstrip()
+                if line and number not in docstrings:
+                    kept.append(line)
+    return "\n".join(kept)
+
+
+def _defined_names(node: ast.stmt) -> list[str]:
+    if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+        return [node.name]
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+    return [n.id for target in targets for n in ast.walk(target) if isinstance(n, ast.Name)]
+
+
+def _is_docstring(node: ast.stmt) -> bool:
+    return isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+
+
+def _docstring_lines(node: ast.stmt) -> set[int]:
+    """Line numbers of the docstrings of the functions and classes in `node` that stand on lines of their own."""
+    found: set[int] = set()
+    for inner in ast.walk(node):
+        if isinstance(inner, (ast.FunctionDef, ast.ClassDef)) and inner.body and _is_docstring(inner.body[0]):
+            doc = inner.body[0]
+            if doc.lineno > inner.lineno and len(inner.body) > 1 and inner.body[1].lineno > doc.end_lineno:
+                found.update(range(doc.lineno, doc.end_lineno + 1))
+    return found
 
 
 def write_if_changed(path: Path, text: str) -> bool:

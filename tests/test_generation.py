@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from replaygen.build import build_spec
-from replaygen.codegen import render_module, template_hash
+from replaygen.codegen import reachable_source, render_module, template_hash
 from replaygen.configs import BucketConfig, KernelConfig, KernelKind, default_configs
 from replaygen.errors import ReplaygenError, UnsupportedShapeError
 from replaygen.plan import plan_module
@@ -130,3 +130,33 @@ def test_layout_option_changes_strides(mamba2):
     source = render_module(default_plan(spec, SMALL))
     assert "STATE_STRIDE_V = tl.constexpr(1)" in source and "STATE_STRIDE_K = tl.constexpr(8)" in source
     assert "STATE_SHAPE = (4, 16, 8)" in source
+
+
+def test_reachable_source_keeps_what_the_roots_run():
+    source = '''"""module docstring"""
+import torch  # a comment
+LIMIT = 3
+UNUSED = 4
+
+
+def helper(x):
+    """doc"""
+    return x + LIMIT  # trailing comment
+
+
+@decorate
+def entry(x):
+    # a full-line comment
+    return helper(x)
+
+
+def other():
+    return UNUSED
+'''
+    kept = reachable_source(source, ("entry",))
+    assert kept == "import torch\nLIMIT = 3\ndef helper(x):\n    return x + LIMIT\n@decorate\ndef entry(x):\n    return helper(x)"
+    edited = source.replace("# a comment", "# another").replace('"""doc"""', '"""other doc"""').replace("return UNUSED", "return 5")
+    assert reachable_source(edited, ("entry",)) == kept
+    assert reachable_source(source.replace("x + LIMIT", "x - LIMIT"), ("entry",)) != kept
+    with pytest.raises(KeyError, match="missing"):
+        reachable_source(source, ("entry", "missing"))

@@ -170,7 +170,7 @@ def test_each_key_input_changes_its_part_only(mamba2, monkeypatch, tmp_path):
     base_env = env().fingerprint()
     # spec
     other_spec = load_spec_text((ROOT / "specs" / "mamba2.yaml").read_text().replace("description:", "description: (edited)"), "mamba2.yaml")
-    assert changed(base, key_parts(render_candidate(other_spec, SHAPE, RD, config))) == {"source", "spec"}
+    assert changed(base, key_parts(render_candidate(other_spec, SHAPE, RD, config))) == {"spec"}  # the description is no code
     # shape
     assert changed(base, key_parts(render_candidate(mamba2, replace(SHAPE, capacity=5), RD, config))) == {"source", "shape"}
     # GPU name and triton version: the environment only
@@ -179,13 +179,19 @@ def test_each_key_input_changes_its_part_only(mamba2, monkeypatch, tmp_path):
     assert key_parts(render_candidate(mamba2, SHAPE, RD, config)) == base  # no environment input at all
     # the config itself
     assert changed(base, key_parts(render_candidate(mamba2, SHAPE, RD, replace(config, num_warps=4)))) == {"source"}
-    # template (last: it switches the template folder)
+    # templates (last: they switch the template folder): a comment leaves the code a trial runs as it was; a change
+    # to one kernel's text changes the keys of the trials that run it only
+    baseline = key_parts(render_candidate(mamba2, SHAPE, BD, KernelConfig(block_v=16)))
     variant = tmp_path / "templates"
     shutil.copytree(ROOT / "templates", variant)
     module = variant / "module.py.j2"
     module.write_text(module.read_text().replace("import torch\n", "import torch  # variant\n", 1))
     monkeypatch.setenv("REPLAYGEN_TEMPLATES", str(variant))
+    assert changed(base, key_parts(render_candidate(mamba2, SHAPE, RD, config))) == {"template"}
+    kernel = variant / "kernels" / "replay_decode.j2"
+    kernel.write_text(kernel.read_text().replace("{{ m.program_prologue() }}\n", "{{ m.program_prologue() }}\n    i_unused = 0\n", 1))
     assert changed(base, key_parts(render_candidate(mamba2, SHAPE, RD, config))) == {"source", "template"}
+    assert changed(baseline, key_parts(render_candidate(mamba2, SHAPE, BD, KernelConfig(block_v=16)))) == {"template"}
 
 
 def test_candidate_runs_the_config_everywhere_and_defaults_elsewhere(mamba2):
@@ -351,14 +357,19 @@ def test_mismatched_records_are_never_applied_silently(mamba2, tmp_path, monkeyp
     shutil.rmtree(tune_dir)
     stale = replace(trial(mamba2, shape, RD, config, 8, 0.1), key=replace(render_candidate(mamba2, shape, RD, config).key, source_sha256="0" * 64))
     write(tune_dir, mamba2, shape, [stale])
-    with pytest.raises(TuningRecordError, match="generated source differs"):
+    with pytest.raises(TuningRecordError, match="the code it ran differs"):
         resolve_configs(mamba2, shape, "h100", tune_dir)
 
+    shutil.rmtree(tune_dir)
+    write(tune_dir, mamba2, shape, [trial(mamba2, shape, RD, config, 8, 0.1)])
     variant = tmp_path / "templates"
     shutil.copytree(ROOT / "templates", variant)
     (variant / "module.py.j2").write_text((variant / "module.py.j2").read_text() + "# variant\n")
     monkeypatch.setenv("REPLAYGEN_TEMPLATES", str(variant))
-    with pytest.raises(TuningRecordError, match="templates changed since tuning"):
+    assert resolve_configs(mamba2, shape, "h100", tune_dir).configs[RD] == (rec.BucketConfig(None, config),)  # a comment
+    decode = variant / "kernels" / "replay_decode.j2"
+    decode.write_text(decode.read_text().replace("{{ m.load_slot() }}\n", "{{ m.load_slot() }}\n    i_unused = 0\n", 1))
+    with pytest.raises(TuningRecordError, match="the code it ran differs"):
         resolve_configs(mamba2, shape, "h100", tune_dir)
 
 
@@ -703,7 +714,7 @@ def test_kinds_with_the_same_module_are_measured_separately(mamba2, tmp_path):
     default are the same module: each kind's trial must still be timed, not taken from the other's."""
     shape = mamba2.shape("nemotron-h")
     default = derive_space(BD, shape, 8).default
-    assert render_candidate(mamba2, shape, BD, default).key.source_sha256 == render_candidate(mamba2, shape, BV, derive_space(BV, shape, 8).default).key.source_sha256
+    assert render_candidate(mamba2, shape, BD, default).source == render_candidate(mamba2, shape, BV, derive_space(BV, shape, 8).default).source
     results, store, fake = run(mamba2, tmp_path, (BD, BV), (8,), trials=2)
     assert [(t.key.kind, t.config) for t in store.trials][:1] == [(BD, default)]
     assert (BV, default) in [(t.key.kind, t.config) for t in store.trials]

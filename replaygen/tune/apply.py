@@ -2,9 +2,10 @@
 
 Per tuned kernel and batch size, the winner is the fastest OK trial whose key still matches:
 
-- hard mismatches are never applied: templates, spec or shape changed since tuning, the
-  re-rendered candidate's source hash differs (codegen or another kernel's default changed),
-  or the trial was made for another GPU name;
+- hard mismatches are never applied: spec or shape changed since tuning, the code the trial
+  ran differs from what its config renders to now (the template text of that kernel, its
+  launch code or codegen changed; edits that leave that code as it was, such as comments or
+  other kernels' templates, do not count), or the trial was made for another GPU name;
 - soft mismatches (another Triton or replaygen version) are applied only when asked
   (`--accept-env-mismatch`), and said so.
 
@@ -23,7 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from replaygen import __version__
-from replaygen.codegen import template_hash
 from replaygen.configs import BucketConfig, KernelConfig, KernelKind, default_configs
 from replaygen.errors import TuningRecordError, UnsupportedShapeError
 from replaygen.spec.model import Spec, TargetShape
@@ -32,10 +32,9 @@ from replaygen.tune.space import TUNABLE_KINDS
 
 
 class Mismatch(enum.Enum):
-    TEMPLATE = "templates changed since tuning"
     SPEC = "spec changed since tuning"
     SHAPE = "shape changed since tuning"
-    SOURCE = "generated source differs (replaygen codegen or another kernel's default changed)"
+    SOURCE = "the code it ran differs from what its config renders to now (its template, launch code or codegen changed)"
     INVALID = "config no longer valid (configs.validate_config)"
     GPU = "GPU differs"
     TRITON = "triton version differs"
@@ -53,7 +52,6 @@ class BuildTarget:
     spec: Spec
     shape: TargetShape
     gpu: str
-    template_sha256: str
     triton: str
     replaygen: str = __version__
 
@@ -61,15 +59,13 @@ class BuildTarget:
 def build_target(spec: Spec, shape: TargetShape, gpu: str) -> BuildTarget:
     import triton
 
-    return BuildTarget(spec=spec, shape=shape, gpu=gpu, template_sha256=template_hash(), triton=triton.__version__)
+    return BuildTarget(spec=spec, shape=shape, gpu=gpu, triton=triton.__version__)
 
 
 def mismatches(trial: TrialRecord, target: BuildTarget) -> list[tuple[Mismatch, str]]:
     """Why `trial` does not match `target` (cheap checks; the source hash is checked for winners only)."""
     found = []
     env = trial.environment
-    if trial.key.template_sha256 != target.template_sha256:
-        found.append((Mismatch.TEMPLATE, f"template sha256 {trial.key.template_sha256[:12]} then, {target.template_sha256[:12]} now"))
     if trial.key.spec_sha256 != target.spec.source_sha256:
         found.append((Mismatch.SPEC, f"spec sha256 {trial.key.spec_sha256[:12]} then, {target.spec.source_sha256[:12]} now"))
     if trial.key.shape_sha256 != shape_sha256(target.shape):

@@ -3,9 +3,11 @@
 One JSON file per spec and shape and GPU: `tune/<gpu>/<spec>_<shape>.json`, holding every
 measured trial (winners and losers, failures as such) with raw timings. Each trial carries
 
-- its kernel key: the sha256 of the rendered candidate module (the tuned kernel with this
-  config, every other kernel at its default, GPU name left out) plus, to say what changed when
-  it stops matching, the template, spec and shape hashes it was rendered from;
+- its kernel key: the sha256 of the code the trial ran (`TIMED_ENTRY_POINTS`: the part of the
+  rendered candidate module that the timed functions reach, without comments and docstrings;
+  `codegen.reachable_source`), so edits to other kernels, comments or docstrings leave the record
+  applicable, plus the template, spec and shape hashes it was rendered from (provenance; a changed
+  spec or shape also stops it matching);
 - its environment: GPU name (the records folder, e.g. h100), device name and compute
   capability, the Triton version string (`triton.__version__`; not a hash of Triton's files)
   and the replaygen version.
@@ -29,13 +31,24 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from replaygen import __version__
-from replaygen.codegen import render_module, source_hash, template_hash, write_if_changed
+from replaygen.codegen import reachable_source, render_module, source_hash, template_hash, write_if_changed
 from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route, default_configs
 from replaygen.errors import TuningRecordError
 from replaygen.plan import plan_module
 from replaygen.spec.model import Spec, TargetShape
 
 RECORD_FORMAT = 1
+# The module functions a trial of each kind runs (replaygen.measure's workloads: allocation, then the timed step);
+# a trial's key hashes the code they reach.
+TIMED_ENTRY_POINTS: dict[KernelKind, tuple[str, ...]] = {
+    KernelKind.BASELINE_DECODE: ("allocate_baseline", "baseline_decode"),
+    KernelKind.REPLAY_DECODE: ("allocate", "decode"),
+    KernelKind.REPLAY_VERIFY: ("allocate", "verify", "commit"),
+    KernelKind.BASELINE_VERIFY: ("allocate_snapshots", "baseline_verify", "baseline_commit"),
+    KernelKind.MATERIALIZE: ("allocate", "materialize"),
+    KernelKind.LOAD: ("allocate", "load"),
+    KernelKind.COMMIT: ("allocate", "commit"),
+}
 # Candidates are rendered for no particular GPU, so the GPU name stays out of the kernel key.
 CANDIDATE_GPU = "any"
 CANDIDATE_SOURCE = "tune candidate"
@@ -81,7 +94,7 @@ class KernelKey:
     """What was timed: one kernel kind in one rendered module."""
 
     kind: KernelKind
-    source_sha256: str  # the rendered candidate module
+    source_sha256: str  # the code the trial ran: reachable_source of the candidate module from TIMED_ENTRY_POINTS[kind]
     template_sha256: str
     spec_sha256: str
     shape_sha256: str
@@ -111,7 +124,7 @@ def render_candidate(spec: Spec, shape: TargetShape, kind: KernelKind, config: K
     source = render_module(plan_module(spec, shape, CANDIDATE_GPU, configs, CANDIDATE_SOURCE))
     key = KernelKey(
         kind=kind,
-        source_sha256=source_hash(source),
+        source_sha256=source_hash(reachable_source(source, TIMED_ENTRY_POINTS[kind])),
         template_sha256=template_hash(),
         spec_sha256=spec.source_sha256,
         shape_sha256=shape_sha256(shape),
