@@ -699,14 +699,16 @@ def test_gpu_names():
 
 def test_replay_search_starts_from_the_baselines_step_in_its_best_launch_shape(mamba2, tmp_path):
     """After the baseline's search at a batch, replay decode enqueues flush_at=1 (the baseline's step on the checkpoint)
-    in the baseline winner's block_v and warps, with the one-entry fold loop, right after its default."""
+    in the baseline winner's block_v, warps and state eviction policy, then with the other policy, with the one-entry
+    fold loop, right after its default."""
     results, store, _ = run(mamba2, tmp_path, (BD, RD), (8,), trials=4)
     base, replay = results
     replay_trials = [t.config for t in store.trials if t.key.kind is RD]
-    seed = KernelConfig(block_v=base.best.config.block_v, num_warps=base.best.config.num_warps, flush_at=1, fold_chunk=1)
-    assert replay_trials[:2] == [replay.default.config, seed]
+    best = base.best.config
+    seed = KernelConfig(block_v=best.block_v, num_warps=best.num_warps, flush_at=1, fold_chunk=1, evict_state=best.evict_state)
+    assert replay_trials[:3] == [replay.default.config, seed, replace(seed, evict_state=not best.evict_state)]
     alone, store_alone, _ = run(mamba2, tmp_path / "alone", (RD,), (8,), trials=4)
-    assert seed not in [t.config for t in store_alone.trials][:2]  # no baseline recorded: no such seed
+    assert seed not in [t.config for t in store_alone.trials][:3]  # no baseline recorded: no such seed
 
 
 def test_kinds_with_the_same_module_are_measured_separately(mamba2, tmp_path):

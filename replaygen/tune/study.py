@@ -28,7 +28,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import optuna
@@ -240,8 +240,10 @@ class Tuner:
     def _seeds(self, task: SearchTask) -> tuple[KernelConfig, ...]:
         """Replay decode also starts from the baseline's step on the checkpoint (flush_at=1) in the launch shape of the
         best baseline decode recorded at this batch: a bucket where buffering does not pay keeps close to the baseline.
-        The seed folds one entry per loop step (fold_chunk=1): that loop runs only for entries a larger threshold left,
-        and unrolled chunks would cost registers, so programs per multiprocessor, on every step (docs/perf.md entry 12)."""
+        The seeds fold one entry per loop step (fold_chunk=1): that loop runs only for entries a larger threshold left,
+        and unrolled chunks would cost registers, so programs per multiprocessor, on every step (docs/perf.md entry 12).
+        Two seeds: the baseline's state eviction policy, then the other (evict-first saved the replay its cursor's
+        round trip at batch 1-8 where the baseline did not need it, docs/perf.md entry 14)."""
         if task.kind is not KernelKind.REPLAY_DECODE:
             return ()
         fingerprint = self.environment.fingerprint()
@@ -253,7 +255,8 @@ class Tuner:
         if not baselines:
             return ()
         best = min(baselines, key=lambda t: t.value).config
-        return (KernelConfig(block_v=best.block_v, num_warps=best.num_warps, flush_at=1, fold_chunk=1),)
+        shape = KernelConfig(block_v=best.block_v, num_warps=best.num_warps, flush_at=1, fold_chunk=1)
+        return tuple(replace(shape, evict_state=evict) for evict in (best.evict_state, not best.evict_state))
 
     def _exhaustive(self, task: SearchTask, deadline: float | None) -> SearchResult:
         results: dict[KernelConfig, TrialRecord] = {}
