@@ -4,9 +4,46 @@
 #  "configs": {
 #   "baseline_decode": [
 #    [
+#     1,
+#     {
+#      "block_v": 8,
+#      "evict_state": true,
+#      "flush_at": 0,
+#      "fold_chunk": 4,
+#      "fold_dot": false,
+#      "fused_flush": true,
+#      "max_registers": 0,
+#      "num_stages": 1,
+#      "num_warps": 2,
+#      "precompute_scores": false,
+#      "prefetch_ring": true,
+#      "readout_dot": false,
+#      "route": "output_only"
+#     }
+#    ],
+#    [
+#     8,
+#     {
+#      "block_v": 8,
+#      "evict_state": false,
+#      "flush_at": 0,
+#      "fold_chunk": 4,
+#      "fold_dot": false,
+#      "fused_flush": true,
+#      "max_registers": 0,
+#      "num_stages": 1,
+#      "num_warps": 1,
+#      "precompute_scores": false,
+#      "prefetch_ring": true,
+#      "readout_dot": false,
+#      "route": "output_only"
+#     }
+#    ],
+#    [
 #     32,
 #     {
 #      "block_v": 8,
+#      "evict_state": true,
 #      "flush_at": 0,
 #      "fold_chunk": 4,
 #      "fold_dot": false,
@@ -23,14 +60,15 @@
 #    [
 #     128,
 #     {
-#      "block_v": 16,
+#      "block_v": 8,
+#      "evict_state": true,
 #      "flush_at": 0,
 #      "fold_chunk": 4,
 #      "fold_dot": false,
 #      "fused_flush": true,
 #      "max_registers": 0,
 #      "num_stages": 1,
-#      "num_warps": 4,
+#      "num_warps": 2,
 #      "precompute_scores": false,
 #      "prefetch_ring": true,
 #      "readout_dot": false,
@@ -40,14 +78,15 @@
 #    [
 #     null,
 #     {
-#      "block_v": 32,
+#      "block_v": 16,
+#      "evict_state": false,
 #      "flush_at": 0,
 #      "fold_chunk": 4,
 #      "fold_dot": false,
 #      "fused_flush": true,
 #      "max_registers": 0,
 #      "num_stages": 1,
-#      "num_warps": 8,
+#      "num_warps": 2,
 #      "precompute_scores": false,
 #      "prefetch_ring": true,
 #      "readout_dot": false,
@@ -60,6 +99,7 @@
 #     null,
 #     {
 #      "block_v": 16,
+#      "evict_state": false,
 #      "flush_at": 0,
 #      "fold_chunk": 4,
 #      "fold_dot": false,
@@ -79,6 +119,7 @@
 #     null,
 #     {
 #      "block_v": 128,
+#      "evict_state": false,
 #      "flush_at": 0,
 #      "fold_chunk": 4,
 #      "fold_dot": false,
@@ -98,6 +139,7 @@
 #     null,
 #     {
 #      "block_v": 16,
+#      "evict_state": false,
 #      "flush_at": 0,
 #      "fold_chunk": 4,
 #      "fold_dot": false,
@@ -117,6 +159,7 @@
 #     null,
 #     {
 #      "block_v": 16,
+#      "evict_state": false,
 #      "flush_at": 0,
 #      "fold_chunk": 4,
 #      "fold_dot": false,
@@ -133,16 +176,17 @@
 #   ],
 #   "replay_decode": [
 #    [
-#     8,
+#     1,
 #     {
-#      "block_v": 8,
+#      "block_v": 32,
+#      "evict_state": true,
 #      "flush_at": 1,
-#      "fold_chunk": 1,
+#      "fold_chunk": 8,
 #      "fold_dot": false,
 #      "fused_flush": true,
-#      "max_registers": 0,
+#      "max_registers": 128,
 #      "num_stages": 1,
-#      "num_warps": 1,
+#      "num_warps": 8,
 #      "precompute_scores": false,
 #      "prefetch_ring": true,
 #      "readout_dot": false,
@@ -150,9 +194,28 @@
 #     }
 #    ],
 #    [
-#     32,
+#     8,
+#     {
+#      "block_v": 8,
+#      "evict_state": true,
+#      "flush_at": 1,
+#      "fold_chunk": 1,
+#      "fold_dot": false,
+#      "fused_flush": true,
+#      "max_registers": 0,
+#      "num_stages": 1,
+#      "num_warps": 2,
+#      "precompute_scores": true,
+#      "prefetch_ring": true,
+#      "readout_dot": false,
+#      "route": "output_only"
+#     }
+#    ],
+#    [
+#     128,
 #     {
 #      "block_v": 16,
+#      "evict_state": true,
 #      "flush_at": 16,
 #      "fold_chunk": 4,
 #      "fold_dot": false,
@@ -161,7 +224,25 @@
 #      "num_stages": 1,
 #      "num_warps": 1,
 #      "precompute_scores": true,
-#      "prefetch_ring": true,
+#      "prefetch_ring": false,
+#      "readout_dot": false,
+#      "route": "output_only"
+#     }
+#    ],
+#    [
+#     256,
+#     {
+#      "block_v": 32,
+#      "evict_state": true,
+#      "flush_at": 16,
+#      "fold_chunk": 4,
+#      "fold_dot": false,
+#      "fused_flush": true,
+#      "max_registers": 0,
+#      "num_stages": 1,
+#      "num_warps": 1,
+#      "precompute_scores": true,
+#      "prefetch_ring": false,
 #      "readout_dot": false,
 #      "route": "output_only"
 #     }
@@ -170,6 +251,7 @@
 #     null,
 #     {
 #      "block_v": 32,
+#      "evict_state": false,
 #      "flush_at": 16,
 #      "fold_chunk": 4,
 #      "fold_dot": false,
@@ -178,7 +260,7 @@
 #      "num_stages": 1,
 #      "num_warps": 1,
 #      "precompute_scores": true,
-#      "prefetch_ring": true,
+#      "prefetch_ring": false,
 #      "readout_dot": false,
 #      "route": "output_only"
 #     }
@@ -189,6 +271,7 @@
 #     null,
 #     {
 #      "block_v": 32,
+#      "evict_state": false,
 #      "flush_at": 0,
 #      "fold_chunk": 4,
 #      "fold_dot": false,
@@ -217,7 +300,7 @@
 #  },
 #  "spec": "gdn",
 #  "spec_sha256": "c84c0a6e50ba2dc5225e43df3613d773d522e545c9c67bf0bc93b7a5ec6e84e8",
-#  "template_sha256": "db791e4a6b7f8d87cf99ae2517e938c7d6faaeff0b0e1d4a34848ee8c192eb5d"
+#  "template_sha256": "0c26acdfbe8e0a70a60aa0b7cc41d5efef45bd702262e4bc899c22d2e1377d97"
 # }
 """gdn decode kernels for shape 'qwen3.5', generated by replaygen.
 
@@ -280,29 +363,33 @@ QUERY_SCALE = tl.constexpr(0.08838834764831845)
 
 # Launch configurations per batch bucket: (largest batch size or None, config).
 _BASELINE_DECODE_CONFIGS = (
-    (32, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0}),
-    (128, {'block_v': 16, 'num_warps': 4, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0}),
-    (None, {'block_v': 32, 'num_warps': 8, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0}),
+    (1, {'block_v': 8, 'num_warps': 2, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True}),
+    (8, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': False}),
+    (32, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True}),
+    (128, {'block_v': 8, 'num_warps': 2, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True}),
+    (None, {'block_v': 16, 'num_warps': 2, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': False}),
 )
 _REPLAY_DECODE_CONFIGS = (
-    (8, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0}),
-    (32, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 16, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0}),
-    (None, {'block_v': 32, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 16, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0}),
+    (1, {'block_v': 32, 'num_warps': 8, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 8, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 128, 'evict_state': True}),
+    (8, {'block_v': 8, 'num_warps': 2, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True}),
+    (128, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 16, 'prefetch_ring': False, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True}),
+    (256, {'block_v': 32, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 16, 'prefetch_ring': False, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True}),
+    (None, {'block_v': 32, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 16, 'prefetch_ring': False, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': False}),
 )
 _MATERIALIZE_CONFIGS = (
-    (None, {'block_v': 16, 'num_warps': 4, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0}),
+    (None, {'block_v': 16, 'num_warps': 4, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': False}),
 )
 _LOAD_CONFIGS = (
-    (None, {'block_v': 16, 'num_warps': 4, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0}),
+    (None, {'block_v': 16, 'num_warps': 4, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': False}),
 )
 _REPLAY_VERIFY_CONFIGS = (
-    (None, {'block_v': 32, 'num_warps': 2, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0}),
+    (None, {'block_v': 32, 'num_warps': 2, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': False}),
 )
 _COMMIT_CONFIGS = (
-    (None, {'block_v': 128, 'num_warps': 4, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0}),
+    (None, {'block_v': 128, 'num_warps': 4, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': False}),
 )
 _BASELINE_VERIFY_CONFIGS = (
-    (None, {'block_v': 16, 'num_warps': 4, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0}),
+    (None, {'block_v': 16, 'num_warps': 4, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': False}),
 )
 
 _ROUTES = ("output_only", "state_and_output")
@@ -325,6 +412,7 @@ def _baseline_decode_kernel(
     v_ptr, k_ptr, q_ptr, a_ptr, g_ptr, b_ptr, beta_ptr, A_log_ptr, dt_bias_ptr, out_ptr,
 s_v_b, s_v_h, s_k_b, s_k_h, s_q_b, s_q_h, s_a_b, s_a_h, s_g_b, s_g_h, s_b_b, s_b_h, s_beta_b, s_beta_h, s_out_b, s_out_h, 
     USE_DIRECT_DECAY: tl.constexpr, USE_DIRECT_WEIGHT: tl.constexpr, 
+    STATE_EVICTION: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """Recurrent decode: read the state tile, advance it one step, write it back, emit the output."""
@@ -343,7 +431,8 @@ s_v_b, s_v_h, s_k_b, s_k_h, s_q_b, s_q_h, s_a_b, s_a_h, s_g_b, s_g_h, s_b_b, s_b
 
     m_s = m_v[:, None] & m_k[None, :] & valid
     p_s = state_ptr + (i_slot * HEADS + i_h) * STATE_SIZE + o_v[:, None] * STATE_STRIDE_V + o_k[None, :] * STATE_STRIDE_K
-    b_s = tl.load(p_s, mask=m_s, other=0).to(tl.float32)
+    b_s = tl.load(p_s, mask=m_s, other=0, eviction_policy=STATE_EVICTION).to(tl.float32)
+
     b_v = tl.load(v_ptr + i_b * s_v_b + i_h * s_v_h + o_v, mask=m_v, other=0).to(tl.float32)
     b_k = tl.load(k_ptr + i_b * s_k_b + i_kh * s_k_h + o_k, mask=m_k, other=0).to(tl.float32)
     b_q = tl.load(q_ptr + i_b * s_q_b + i_kh * s_q_h + o_k, mask=m_k, other=0).to(tl.float32)
@@ -369,7 +458,8 @@ s_v_b, s_v_h, s_k_b, s_k_h, s_q_b, s_q_h, s_a_b, s_a_h, s_g_b, s_g_h, s_b_b, s_b
     b_o = tl.sum(b_s * b_q[None, :], 1)
 
 
-    tl.store(p_s, b_s.to(state_ptr.dtype.element_ty), mask=m_s)
+    tl.store(p_s, b_s.to(state_ptr.dtype.element_ty), mask=m_s, eviction_policy=STATE_EVICTION)
+
     tl.store(out_ptr + i_b * s_out_b + i_h * s_out_h + o_v, b_o.to(out_ptr.dtype.element_ty), mask=m_v & valid)
 
 
@@ -389,6 +479,7 @@ s_v_b, s_v_h, s_k_b, s_k_h, s_q_b, s_q_h, s_a_b, s_a_h, s_g_b, s_g_h, s_b_b, s_b
     PRECOMPUTED_SCORES: tl.constexpr,
     FOLD_DOT: tl.constexpr,
     FOLD_CHUNK: tl.constexpr,
+    STATE_EVICTION: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """ReplaySSM decode of one token per sequence.
@@ -425,7 +516,8 @@ s_v_b, s_v_h, s_k_b, s_k_h, s_q_b, s_q_h, s_a_b, s_a_h, s_g_b, s_g_h, s_b_b, s_b
 
     m_s = m_v[:, None] & m_k[None, :] & valid
     p_s = ckpt_ptr + (i_slot * HEADS + i_h) * STATE_SIZE + o_v[:, None] * STATE_STRIDE_V + o_k[None, :] * STATE_STRIDE_K
-    b_s0 = tl.load(p_s, mask=m_s, other=0).to(tl.float32)
+    b_s0 = tl.load(p_s, mask=m_s, other=0, eviction_policy=STATE_EVICTION).to(tl.float32)
+
     p_buf_value = buf_value_ptr + (i_slot * HEADS + i_h) * (RING * VALUE_DIM)
     p_buf_key = buf_key_ptr + (i_slot * KEY_HEADS + i_kh) * (RING * KEY_DIM)
     p_buf_log_decay = buf_log_decay_ptr + (i_slot * HEADS + i_h) * (RING * LOG_DECAY_WIDTH)
@@ -472,7 +564,8 @@ s_v_b, s_v_h, s_k_b, s_k_h, s_q_b, s_q_h, s_a_b, s_a_h, s_g_b, s_g_h, s_b_b, s_b
         b_o = tl.sum(b_s * b_q[None, :], 1)
 
 
-        tl.store(p_s, b_s.to(ckpt_ptr.dtype.element_ty), mask=m_s)
+        tl.store(p_s, b_s.to(ckpt_ptr.dtype.element_ty), mask=m_s, eviction_policy=STATE_EVICTION)
+
         tl.store(p_cursor, tl.zeros_like(o_c) + (start + count) % RING, mask=m_c & (count > 0))
         tl.store(p_cursor + 1, tl.zeros_like(o_c) + 0, mask=m_c & (count > 0))
 
@@ -580,7 +673,8 @@ s_v_b, s_v_h, s_k_b, s_k_h, s_q_b, s_q_h, s_a_b, s_a_h, s_g_b, s_g_h, s_b_b, s_b
 
                     b_s = b_s * tl.exp(b_lg) + b_u[:, None] * b_k[None, :]
 
-                tl.store(p_s, b_s.to(ckpt_ptr.dtype.element_ty), mask=m_s)
+                tl.store(p_s, b_s.to(ckpt_ptr.dtype.element_ty), mask=m_s, eviction_policy=STATE_EVICTION)
+
         else:
             r_new = (start + count) % RING
             tl.store(p_buf_value + r_new * VALUE_DIM + o_v, b_u.to(buf_value_ptr.dtype.element_ty), mask=m_v & valid)
@@ -648,6 +742,7 @@ def _flush_kernel(
     buf_value_ptr, buf_key_ptr, buf_log_decay_ptr, 
     batch,
     FOLD_CHUNK: tl.constexpr,
+    STATE_EVICTION: tl.constexpr,
     BLOCK_V: tl.constexpr,
     V_BLOCKS: tl.constexpr,
     BLOCK_B: tl.constexpr,
@@ -688,7 +783,8 @@ def _flush_kernel(
 
         m_s = m_v[:, None] & m_k[None, :] & valid
         p_s = ckpt_ptr + (i_slot * HEADS + i_h) * STATE_SIZE + o_v[:, None] * STATE_STRIDE_V + o_k[None, :] * STATE_STRIDE_K
-        b_s0 = tl.load(p_s, mask=m_s, other=0).to(tl.float32)
+        b_s0 = tl.load(p_s, mask=m_s, other=0, eviction_policy=STATE_EVICTION).to(tl.float32)
+
         p_buf_value = buf_value_ptr + (i_slot * HEADS + i_h) * (RING * VALUE_DIM)
         p_buf_key = buf_key_ptr + (i_slot * KEY_HEADS + i_kh) * (RING * KEY_DIM)
         p_buf_log_decay = buf_log_decay_ptr + (i_slot * HEADS + i_h) * (RING * LOG_DECAY_WIDTH)
@@ -709,7 +805,8 @@ def _flush_kernel(
                 b_u_e = tl.load(p_buf_value + r * VALUE_DIM + o_v, mask=m_v & m_e, other=0).to(tl.float32)
                 b_s += (b_u_e * tl.exp(b_after))[:, None] * b_k_e[None, :]
 
-        tl.store(p_s, b_s.to(ckpt_ptr.dtype.element_ty), mask=m_s)
+        tl.store(p_s, b_s.to(ckpt_ptr.dtype.element_ty), mask=m_s, eviction_policy=STATE_EVICTION)
+
         tl.store(p_cursor, tl.zeros_like(o_c) + (start + count) % RING, mask=m_c)
         tl.store(p_cursor + 1, tl.zeros_like(o_c) + 0, mask=m_c)
 
@@ -820,6 +917,7 @@ s_v_b, s_v_h, s_v_t, s_k_b, s_k_h, s_k_t, s_q_b, s_q_h, s_q_t, s_a_b, s_a_h, s_a
     PREFETCH_RING: tl.constexpr,
     FOLD_DOT: tl.constexpr,
     FOLD_CHUNK: tl.constexpr,
+    STATE_EVICTION: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """ReplaySSM verify of a window of NUM_TOKENS tokens per sequence, all tokens at once.
@@ -859,7 +957,8 @@ s_v_b, s_v_h, s_v_t, s_k_b, s_k_h, s_k_t, s_q_b, s_q_h, s_q_t, s_a_b, s_a_h, s_a
     flush = count + 2 * NUM_TOKENS > CAPACITY
     m_s = m_v[:, None] & m_k[None, :] & valid
     p_s = ckpt_ptr + (i_slot * HEADS + i_h) * STATE_SIZE + o_v[:, None] * STATE_STRIDE_V + o_k[None, :] * STATE_STRIDE_K
-    b_s0 = tl.load(p_s, mask=m_s, other=0).to(tl.float32)
+    b_s0 = tl.load(p_s, mask=m_s, other=0, eviction_policy=STATE_EVICTION).to(tl.float32)
+
     p_buf_value = buf_value_ptr + (i_slot * HEADS + i_h) * (RING * VALUE_DIM)
     p_buf_key = buf_key_ptr + (i_slot * KEY_HEADS + i_kh) * (RING * KEY_DIM)
     p_buf_log_decay = buf_log_decay_ptr + (i_slot * HEADS + i_h) * (RING * LOG_DECAY_WIDTH)
@@ -902,7 +1001,8 @@ s_v_b, s_v_h, s_v_t, s_k_b, s_k_h, s_k_t, s_q_b, s_q_h, s_q_t, s_a_b, s_a_h, s_a
                     b_s += (b_u_e * tl.exp(b_after))[:, None] * b_k_e[None, :]
 
 
-        tl.store(p_s, b_s.to(ckpt_ptr.dtype.element_ty), mask=m_s & flush)
+        tl.store(p_s, b_s.to(ckpt_ptr.dtype.element_ty), mask=m_s & flush, eviction_policy=STATE_EVICTION)
+
         b_base = b_s
         first = tl.where(flush, (start + count) % RING, start)
         n_buf = tl.where(flush, 0, count)
@@ -1052,6 +1152,7 @@ def _baseline_verify_kernel(
 s_v_b, s_v_h, s_v_t, s_k_b, s_k_h, s_k_t, s_q_b, s_q_h, s_q_t, s_a_b, s_a_h, s_a_t, s_g_b, s_g_h, s_g_t, s_b_b, s_b_h, s_b_t, s_beta_b, s_beta_h, s_beta_t, s_out_b, s_out_h, s_out_t, 
     USE_DIRECT_DECAY: tl.constexpr, USE_DIRECT_WEIGHT: tl.constexpr, 
     NUM_TOKENS: tl.constexpr,
+    STATE_EVICTION: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """Speculative verify as serving engines do it today: start from the snapshot of the last
@@ -1073,7 +1174,7 @@ s_v_b, s_v_h, s_v_t, s_k_b, s_k_h, s_k_t, s_q_b, s_q_h, s_q_t, s_a_b, s_a_h, s_a
     m_s = m_v[:, None] & m_k[None, :] & valid
     o_s = o_v[:, None] * STATE_STRIDE_V + o_k[None, :] * STATE_STRIDE_K
     p_snap = snapshots_ptr + (i_slot * NUM_TOKENS * HEADS + i_h) * STATE_SIZE + o_s
-    b_s = tl.load(p_snap + i_cur * (HEADS * STATE_SIZE), mask=m_s, other=0).to(tl.float32)
+    b_s = tl.load(p_snap + i_cur * (HEADS * STATE_SIZE), mask=m_s, other=0, eviction_policy=STATE_EVICTION).to(tl.float32)
     for i_t in tl.static_range(NUM_TOKENS):
         b_v = tl.load(v_ptr + i_b * s_v_b + i_h * s_v_h + i_t * s_v_t + o_v, mask=m_v, other=0).to(tl.float32)
         b_k = tl.load(k_ptr + i_b * s_k_b + i_kh * s_k_h + i_t * s_k_t + o_k, mask=m_k, other=0).to(tl.float32)
@@ -1100,7 +1201,7 @@ s_v_b, s_v_h, s_v_t, s_k_b, s_k_h, s_k_t, s_q_b, s_q_h, s_q_t, s_a_b, s_a_h, s_a
         b_o = tl.sum(b_s * b_q[None, :], 1)
 
 
-        tl.store(p_snap + i_t * (HEADS * STATE_SIZE), b_s.to(snapshots_ptr.dtype.element_ty), mask=m_s)
+        tl.store(p_snap + i_t * (HEADS * STATE_SIZE), b_s.to(snapshots_ptr.dtype.element_ty), mask=m_s, eviction_policy=STATE_EVICTION)
         tl.store(out_ptr + i_b * s_out_b + i_h * s_out_h + i_t * s_out_t + o_v, b_o.to(out_ptr.dtype.element_ty), mask=m_v & valid)
 
 
@@ -1189,6 +1290,17 @@ def _pick(table, batch):
         if max_batch is None or batch <= max_batch:
             return config
     raise AssertionError("dispatch tables end with an open-ended bucket")
+
+
+def _options(config):
+    """Launch options of a config: warps, pipeline stages, register cap (0 = the compiler's choice)."""
+    return {"num_warps": config["num_warps"], "num_stages": config["num_stages"], "maxnreg": config["max_registers"] or None}
+
+
+def _state_eviction(config):
+    """L2 eviction policy of a config's state loads and stores: "evict_first" lets the cursors, rings and inputs stay
+    cached while the state streams by (docs/perf.md entry 14), "" the default."""
+    return "evict_first" if config["evict_state"] else ""
 
 
 def _strides(t, tile=False):
@@ -1294,10 +1406,7 @@ def decode(state, slots, *, v, k, q, A_log, dt_bias, a=None, g=None, b=None, bet
     block_v = config["block_v"]
     grid = (triton.cdiv(_VALUE_DIM, block_v), _HEADS, batch)
     if config["precompute_scores"] and flush_at > 1:
-        _scores_kernel[(SHAPE["key_heads"], batch)](
-            slots, state.buf_key, state.scores, k, q, *_strides(k), 0, *_strides(q), 0,
-            NUM_TOKENS=1, BLOCK_T=2, num_warps=_score_warps(2),
-        )
+        _launch_scores(state, slots, k, q, batch, tokens=1, window=False)
     _replay_decode_kernel[grid](
         slots, state.cursor, state.checkpoint, state.scores, state.pending, *state.buffers(),
         v, k, q, a, g, b, beta, A_log, dt_bias, out,
@@ -1307,13 +1416,12 @@ def decode(state, slots, *, v, k, q, A_log, dt_bias, a=None, g=None, b=None, bet
         STATE_ROUTE=route == "state_and_output",
         PREFETCH_RING=config["prefetch_ring"], FUSED_FLUSH=config["fused_flush"], FOLD_CHUNK=config["fold_chunk"],
         PRECOMPUTED_SCORES=config["precompute_scores"], FOLD_DOT=config["fold_dot"], ALWAYS_FLUSH=flush_at == 1,
-        BLOCK_V=block_v,
-        num_warps=config["num_warps"], num_stages=config["num_stages"], maxnreg=config["max_registers"] or None,
+        STATE_EVICTION=_state_eviction(config), BLOCK_V=block_v, **_options(config),
     )
     if not config["fused_flush"] and flush_at > 1:
         _flush_kernel[(_flush_programs(state.device),)](
             slots, state.cursor, state.pending, state.checkpoint, *state.buffers(), batch,
-            FOLD_CHUNK=config["fold_chunk"], BLOCK_V=_FLUSH_BLOCK_V, V_BLOCKS=triton.cdiv(_VALUE_DIM, _FLUSH_BLOCK_V),
+            FOLD_CHUNK=config["fold_chunk"], STATE_EVICTION=_state_eviction(config), BLOCK_V=_FLUSH_BLOCK_V, V_BLOCKS=triton.cdiv(_VALUE_DIM, _FLUSH_BLOCK_V),
             BLOCK_B=triton.next_power_of_2(batch), num_warps=4,
         )
     return out
@@ -1354,8 +1462,7 @@ def baseline_decode(state, slots, *, v, k, q, A_log, dt_bias, a=None, g=None, b=
         v, k, q, a, g, b, beta, A_log, dt_bias, out,
 *_strides(v, False), *_strides(k, False), *_strides(q, False), *_strides(a, False), *_strides(g, False), *_strides(b, False), *_strides(beta, False), *_strides(out, False),
         USE_DIRECT_DECAY=g is not None, USE_DIRECT_WEIGHT=beta is not None, 
-        BLOCK_V=block_v,
-        num_warps=config["num_warps"], num_stages=config["num_stages"], maxnreg=config["max_registers"] or None,
+        STATE_EVICTION=_state_eviction(config), BLOCK_V=block_v, **_options(config),
     )
     return out
 
@@ -1378,7 +1485,7 @@ def materialize(state, slots, out=None):
     grid = (triton.cdiv(_VALUE_DIM, config["block_v"]), _HEADS, n)
     _materialize_kernel[grid](
         slots, state.cursor, state.checkpoint, *state.buffers(), out,
-        FOLD_CHUNK=config["fold_chunk"], BLOCK_V=config["block_v"], num_warps=config["num_warps"], num_stages=config["num_stages"], maxnreg=config["max_registers"] or None,
+        FOLD_CHUNK=config["fold_chunk"], BLOCK_V=config["block_v"], **_options(config),
     )
     return out
 
@@ -1395,7 +1502,7 @@ def load(state, slots, states):
     grid = (triton.cdiv(_VALUE_DIM, config["block_v"]), _HEADS, n)
     _load_kernel[grid](
         slots, state.cursor, state.checkpoint, states,
-        BLOCK_V=config["block_v"], num_warps=config["num_warps"], num_stages=config["num_stages"], maxnreg=config["max_registers"] or None,
+        BLOCK_V=config["block_v"], **_options(config),
     )
 
 
@@ -1421,6 +1528,17 @@ def _block_t(tokens):
     """Window tile rows (a power of two >= 2) and their log2."""
     block = max(2, triton.next_power_of_2(tokens))
     return block, block.bit_length() - 1
+
+
+def _launch_scores(state, slots, key, query, batch, tokens, window):
+    """`_scores_kernel` for every (key head, batch row): the scores of this step's `tokens` tokens (a window's
+    [batch, T, ...] inputs, or a decode step's [batch, ...]) into state.scores."""
+    block_t = _block_t(tokens)[0]
+    strides = (lambda t: _strides(t, True)) if window else (lambda t: (*_strides(t), 0))
+    _scores_kernel[(SHAPE["key_heads"], batch)](
+        slots, state.buf_key, state.scores, key, query, *strides(key), *strides(query),
+        NUM_TOKENS=tokens, BLOCK_T=block_t, num_warps=_score_warps(block_t),
+    )
 
 
 def verify(state, slots, *, v, k, q, A_log, dt_bias, a=None, g=None, b=None, beta=None, out=None):
@@ -1454,10 +1572,7 @@ def verify(state, slots, *, v, k, q, A_log, dt_bias, a=None, g=None, b=None, bet
     block_t, log2_block_t = _block_t(tokens)
     grid = (triton.cdiv(_VALUE_DIM, config["block_v"]), _HEADS, batch)
     if config["precompute_scores"]:
-        _scores_kernel[(SHAPE["key_heads"], batch)](
-            slots, state.buf_key, state.scores, k, q, *_strides(k, True), *_strides(q, True),
-            NUM_TOKENS=tokens, BLOCK_T=block_t, num_warps=_score_warps(block_t),
-        )
+        _launch_scores(state, slots, k, q, batch, tokens=tokens, window=True)
     _replay_verify_kernel[grid](
         slots, state.cursor, state.checkpoint, state.scores, *state.buffers(),
         v, k, q, a, g, b, beta, A_log, dt_bias, out,
@@ -1466,7 +1581,7 @@ def verify(state, slots, *, v, k, q, A_log, dt_bias, a=None, g=None, b=None, bet
         NUM_TOKENS=tokens, BLOCK_T=block_t, LOG2_BLOCK_T=log2_block_t, PRECOMPUTED_SCORES=config["precompute_scores"],
         READOUT_DOT=config["readout_dot"], BLOCK_D=max(16, 2 * block_t), STATE_ROUTE=config["route"] == "state_and_output",
         PREFETCH_RING=config["prefetch_ring"], FOLD_CHUNK=config["fold_chunk"], FOLD_DOT=config["fold_dot"],
-        BLOCK_V=config["block_v"], num_warps=config["num_warps"], num_stages=config["num_stages"], maxnreg=config["max_registers"] or None,
+        STATE_EVICTION=_state_eviction(config), BLOCK_V=config["block_v"], **_options(config),
     )
     return out
 
@@ -1490,7 +1605,7 @@ def commit(state, slots, accepted, num_tokens=None, validate=False):
     grid = (triton.cdiv(_VALUE_DIM, config["block_v"]), batch)
     _commit_kernel[grid](
         slots, state.cursor, accepted, NUM_TOKENS=num_tokens,
-        BLOCK_V=config["block_v"], BLOCK_H=triton.next_power_of_2(_HEADS), num_warps=config["num_warps"], num_stages=config["num_stages"], maxnreg=config["max_registers"] or None,
+        BLOCK_V=config["block_v"], BLOCK_H=triton.next_power_of_2(_HEADS), **_options(config),
     )
 
 
@@ -1545,7 +1660,7 @@ def baseline_verify(snapshots, current, slots, *, v, k, q, A_log, dt_bias, a=Non
         v, k, q, a, g, b, beta, A_log, dt_bias, out,
 *_strides(v, True), *_strides(k, True), *_strides(q, True), *_strides(a, True), *_strides(g, True), *_strides(b, True), *_strides(beta, True), *_strides(out, True),
         USE_DIRECT_DECAY=g is not None, USE_DIRECT_WEIGHT=beta is not None, 
-        NUM_TOKENS=tokens, BLOCK_V=config["block_v"], num_warps=config["num_warps"], num_stages=config["num_stages"], maxnreg=config["max_registers"] or None,
+        NUM_TOKENS=tokens, STATE_EVICTION=_state_eviction(config), BLOCK_V=config["block_v"], **_options(config),
     )
     return out
 
