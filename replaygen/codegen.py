@@ -120,8 +120,8 @@ def source_hash(source: str) -> str:
 
 
 def reachable_source(source: str, roots: Iterable[str]) -> str:
-    """The code of a generated module that its top-level functions `roots` run: the imports and every top-level
-    definition the roots reach by name (transitively), in module order, their source lines without docstrings,
+    """The code of a generated module that its top-level functions `roots` run: every top-level definition and
+    import the roots reach by name (transitively), in module order, their source lines without docstrings,
     comments and blank lines. So comments, docstrings and code no root reaches leave it unchanged (and it reads the
     same under every Python version: lines of the source, not a re-printed tree)."""
     tree = ast.parse(source)
@@ -164,6 +164,8 @@ def reachable_source(source: str, roots: Iterable[str]) -> str:
 def _defined_names(node: ast.stmt) -> list[str]:
     if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
         return [node.name]
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return [alias.asname or alias.name.split(".")[0] for alias in node.names]
     targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
     return [n.id for target in targets for n in ast.walk(target) if isinstance(n, ast.Name)]
 

@@ -69,6 +69,7 @@ class KernelConfig:
     readout_dot: bool = False  # replay verify: read the state and ring at every window token by tensor-core products (tf32x3)
     max_registers: int = 0  # per-thread register cap (ptxas maxnreg; more programs per SM); 0 = the compiler's choice
     evict_state: bool = False  # state loads and stores evict-first in L2, so small data (cursors, inputs) stays cached
+    overlap_scores: bool = False  # replay kernels: launched as a programmatic dependent of the scores kernel (sm90+)
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -85,6 +86,7 @@ class KernelConfig:
             "readout_dot": self.readout_dot,
             "max_registers": self.max_registers,
             "evict_state": self.evict_state,
+            "overlap_scores": self.overlap_scores,
         }
 
 
@@ -119,6 +121,8 @@ def validate_config(kind: KernelKind, shape: TargetShape, config: KernelConfig) 
         raise UnsupportedShapeError(f"{kind.value}: readout_dot applies to replay_verify only")
     if config.readout_dot and (config.block_v < MIN_DOT or not config.precompute_scores):
         raise UnsupportedShapeError(f"{kind.value}: readout_dot needs block_v >= {MIN_DOT} (tl.dot) and precompute_scores, got block_v={config.block_v}, precompute_scores={config.precompute_scores}")
+    if config.overlap_scores and not config.precompute_scores:
+        raise UnsupportedShapeError(f"{kind.value}: overlap_scores overlaps the scores kernel, so it needs precompute_scores")
     if config.max_registers and not 24 <= config.max_registers <= 255:
         raise UnsupportedShapeError(f"{kind.value}: max_registers={config.max_registers} must be 0 (no cap) or 24..255")
     if not 0 <= config.flush_at <= shape.capacity:

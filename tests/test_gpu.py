@@ -21,9 +21,11 @@ def _same_state(module, a, b, slots):
 # Verify launches as the H100 records pick them: precomputed scores (a second launch in the graph), both routes.
 SCORED = KernelConfig(block_v=32, num_warps=1, precompute_scores=True)
 SCORED_STATE = KernelConfig(block_v=8, num_warps=1, precompute_scores=True, route=Route.STATE_AND_OUTPUT)
+# The replay kernel as a programmatic dependent of the scores kernel, the state streamed evict-first.
+OVERLAPPED = KernelConfig(block_v=16, num_warps=1, precompute_scores=True, overlap_scores=True, evict_state=True)
 
 
-@pytest.mark.parametrize("config", [None, SCORED, SCORED_STATE], ids=["default", "scores", "scores-state-route"])
+@pytest.mark.parametrize("config", [None, SCORED, SCORED_STATE, OVERLAPPED], ids=["default", "scores", "scores-state-route", "overlapped"])
 def test_verify_commit_graph_matches_eager(mamba2, config):
     shape = mamba2.shape("nemotron-h-mtp")
     module = load_kernels(mamba2, shape, None if config is None else {KernelKind.REPLAY_VERIFY: (BucketConfig(None, config),)})
@@ -96,8 +98,8 @@ def test_decode_graph_matches_eager_across_flushes(mamba2):
 
 @pytest.mark.parametrize("spec_name,shape_name", [("mamba2", "nemotron-h-mtp"), ("gdn", "qwen3.5-mtp")])
 @pytest.mark.parametrize("config", [
-    SCORED, SCORED_STATE, KernelConfig(block_v=32, num_warps=2, precompute_scores=True, readout_dot=True, fold_dot=True),
-], ids=["scores", "scores-state-route", "readout-dot"])
+    SCORED, SCORED_STATE, KernelConfig(block_v=32, num_warps=2, precompute_scores=True, readout_dot=True, fold_dot=True), OVERLAPPED,
+], ids=["scores", "scores-state-route", "readout-dot", "overlapped"])
 def test_verify_options_match_the_reference(spec_name, shape_name, config):
     """The verify options against the float64 reference on the GPU at the spec's MTP shape (tensor-core paths run
     in tf32x3 here, exactly in the interpreter)."""
@@ -107,3 +109,15 @@ def test_verify_options_match_the_reference(spec_name, shape_name, config):
     for accept in ("random", "all"):
         report = check_speculative(module, spec, shape, device="cuda", act_dtype=torch.bfloat16, accept=accept, steps=16, seed=3)
         assert report.ok, "\n".join(report.lines())
+
+
+@pytest.mark.parametrize("spec_name,shape_name", [("mamba2", "nemotron-h-mtp"), ("gdn", "qwen3.5-mtp")])
+def test_overlapped_decode_and_verify_match_the_reference(spec_name, shape_name):
+    """Decode and verify launched as programmatic dependents of their scores kernels, mixed on one state: the
+    overlap changes when the kernels run, never what they compute."""
+    spec = load_spec(ROOT / "specs" / f"{spec_name}.yaml")
+    shape = spec.shape(shape_name)
+    decode = KernelConfig(block_v=32, num_warps=1, precompute_scores=True, overlap_scores=True, evict_state=True)
+    module = load_kernels(spec, shape, {KernelKind.REPLAY_VERIFY: (BucketConfig(None, OVERLAPPED),), KernelKind.REPLAY_DECODE: (BucketConfig(None, decode),)})
+    report = check_speculative(module, spec, shape, device="cuda", act_dtype=torch.bfloat16, mixed=True, steps=16, seed=4)
+    assert report.ok, "\n".join(report.lines())

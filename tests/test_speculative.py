@@ -82,8 +82,9 @@ def test_precomputed_scores(mamba2, tokens, readout_dot, route):
     with readout_dot the verify reads the state and ring by tensor-core products (and folds by one); on the state-and-output route
     it folds the buffer on every step and reads the formed state."""
     shape = replace(SMALL, capacity=9, window=4)
-    verify = KernelConfig(block_v=16 if readout_dot else 8, num_warps=1, precompute_scores=True, readout_dot=readout_dot, fold_dot=readout_dot, route=Route(route))
-    decode = KernelConfig(block_v=8, num_warps=1, precompute_scores=True)
+    verify = KernelConfig(block_v=16 if readout_dot else 8, num_warps=1, precompute_scores=True, readout_dot=readout_dot, fold_dot=readout_dot, route=Route(route),
+                          overlap_scores=tokens == 3)
+    decode = KernelConfig(block_v=8, num_warps=1, precompute_scores=True, overlap_scores=tokens == 3)
     module = load_kernels(mamba2, shape, {KernelKind.REPLAY_VERIFY: (BucketConfig(None, verify),), KernelKind.REPLAY_DECODE: (BucketConfig(None, decode),)})
     report = check_speculative(module, mamba2, shape, device=DEVICE, tokens=tokens, mixed=True, steps=12, seed=20 + tokens)
     assert_passes(report, ("replay_verify", "replay_decode", "materialize"))

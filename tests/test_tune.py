@@ -87,18 +87,20 @@ def test_space_of_the_main_shape(mamba2):
         "fold_dot": both,
         "readout_dot": (False,),
         "evict_state": both,
+        "overlap_scores": both,
     }
-    assert space.size == 4 * 4 * 2 * 2 * 16 * 2 * 2 * 2 * 4 * 2 * 2
+    assert space.size == 4 * 4 * 2 * 2 * 16 * 2 * 2 * 2 * 4 * 2 * 2 * 2
     assert space.default == KernelConfig(block_v=64, num_warps=4, flush_at=16, fused_flush=False)  # the default's 0 written as L
     assert space.candidates()[0] == space.default
     assert derive_space(RD, shape, batch=1).default == KernelConfig(block_v=32, num_warps=4, flush_at=16)
-    assert {p.name for p in derive_space(RD, shape, 128, channel_decay=True).free} == set(choices) - {"num_stages", "precompute_scores", "readout_dot"}
+    assert {p.name for p in derive_space(RD, shape, 128, channel_decay=True).free} == set(choices) - {"num_stages", "precompute_scores", "readout_dot", "overlap_scores"}
     baseline = derive_space(BD, shape, batch=8)
     assert [p.name for p in baseline.free] == ["block_v", "num_warps", "evict_state"]  # no loop, route, flush or register cap
     assert len(baseline.candidates()) == 30  # 32 points, block_v=64 on one warp spills
-    verify = {"block_v", "num_warps", "max_registers", "route", "prefetch_ring", "fold_chunk", "fold_dot", "precompute_scores", "readout_dot", "evict_state"}
+    verify = {"block_v", "num_warps", "max_registers", "route", "prefetch_ring", "fold_chunk", "fold_dot", "precompute_scores", "readout_dot", "evict_state",
+              "overlap_scores"}
     assert {p.name for p in derive_space(RV, shape, 8).free} == verify
-    assert {p.name for p in derive_space(RV, shape, 8, channel_decay=True).free} == verify - {"precompute_scores", "readout_dot"}
+    assert {p.name for p in derive_space(RV, shape, 8, channel_decay=True).free} == verify - {"precompute_scores", "readout_dot", "overlap_scores"}
 
 
 def test_pruning_rules(mamba2):
@@ -109,6 +111,7 @@ def test_pruning_rules(mamba2):
     assert space.prune_reason(KernelConfig(block_v=16, flush_at=1, route=Route.STATE_AND_OUTPUT)) is PruneRule.UNUSED_ROUTE
     assert space.prune_reason(KernelConfig(block_v=24, flush_at=8)) is PruneRule.INVALID
     assert space.prune_reason(KernelConfig(block_v=8, flush_at=8, fold_dot=True)) is PruneRule.INVALID  # tl.dot needs 16 rows
+    assert space.prune_reason(KernelConfig(block_v=8, flush_at=8, overlap_scores=True)) is PruneRule.INVALID  # no scores kernel
     state_route = KernelConfig(block_v=16, flush_at=8, route=Route.STATE_AND_OUTPUT)
     assert space.prune_reason(replace(state_route, precompute_scores=True)) is PruneRule.UNUSED_SCORES
     assert space.prune_reason(replace(state_route, fused_flush=False)) is PruneRule.REFOLD
@@ -135,7 +138,7 @@ def test_fix_and_space_key(mamba2):
     space = derive_space(RD, shape, batch=128)
     assert space.key() == derive_space(RD, shape, batch=128).key()
     fixed = space.fix("flush_at", "16").fix("route", "output_only").fix("fold_dot", "False")
-    assert fixed.size == 4 * 4 * 2 * 2 * 2 * 2 * 4 * 2 and fixed.key() != space.key()
+    assert fixed.size == 4 * 4 * 2 * 2 * 2 * 2 * 4 * 2 * 2 and fixed.key() != space.key()
     assert derive_space(RD, replace(shape, capacity=8), batch=128).key() != space.key()
     with pytest.raises(Exception, match="flush_at in 1"):
         space.fix("flush_at", "99")
@@ -220,7 +223,7 @@ def test_every_config_field_survives_merged_writes(mamba2, tmp_path):
     """Each write merges with the file on disk: a trial written first must keep every knob (a reader that dropped
     the newer fields once reset them to their defaults on every later write)."""
     first = trial(mamba2, SHAPE, RD, KernelConfig(block_v=16, num_warps=1, flush_at=3, precompute_scores=True, fused_flush=False,
-                                                   max_registers=128, fold_chunk=2, fold_dot=True, prefetch_ring=False, evict_state=True), 8, 1.0)
+                                                   max_registers=128, fold_chunk=2, fold_dot=True, prefetch_ring=False, evict_state=True, overlap_scores=True), 8, 1.0)
     write(tmp_path, mamba2, SHAPE, [first])
     path = write(tmp_path, mamba2, SHAPE, [trial(mamba2, SHAPE, RD, KernelConfig(block_v=16, flush_at=3), 8, 2.0)])
     assert read_records(path).trials[0] == first
@@ -510,7 +513,8 @@ def test_a_trial_left_running_by_a_killed_run_does_not_hide_the_default(mamba2, 
 
 def test_exhaustive_mode_and_optuna_on_an_enumerable_space(mamba2, tmp_path):
     fixed = (("flush_at", "16"), ("route", "output_only"), ("max_registers", "0"), ("precompute_scores", "False"), ("fused_flush", "True"),
-             ("prefetch_ring", "True"), ("fold_chunk", "4"), ("fold_dot", "False"), ("evict_state", "False"))
+             ("prefetch_ring", "True"), ("fold_chunk", "4"), ("fold_dot", "False"), ("evict_state", "False"),
+             ("overlap_scores", "False"))
     exhaustive, store, _ = run(mamba2, tmp_path / "ex", (RD,), (128,), mode=Mode.EXHAUSTIVE, fixed=fixed)
     space = derive_space(RD, mamba2.shape("nemotron-h"), 128)
     for name, value in fixed:

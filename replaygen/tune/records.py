@@ -223,6 +223,7 @@ def config_from_dict(raw: dict) -> KernelConfig:
         readout_dot=_bool(raw.get("readout_dot", default.readout_dot)),
         max_registers=_int(raw.get("max_registers", default.max_registers)),
         evict_state=_bool(raw.get("evict_state", default.evict_state)),
+        overlap_scores=_bool(raw.get("overlap_scores", default.overlap_scores)),
     )
 
 

@@ -29,6 +29,7 @@ def describe(config: KernelConfig, kind: KernelKind) -> str:
         text += f" {config.route.value}"
     if kind in REPLAY_KINDS:
         text += " scores" if config.precompute_scores else ""
+        text += " overlap" if config.overlap_scores else ""
         text += " readout-dot" if config.readout_dot else ""
         text += f" chunk={config.fold_chunk}" + (" dot" if config.fold_dot else "") + ("" if config.prefetch_ring else " no-prefetch")
     return text

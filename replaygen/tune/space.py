@@ -21,6 +21,8 @@ templates read (nothing else is invented):
                       tensor-core products (tf32x3); needs precompute_scores and 16 value rows
     evict_state       every tuned kernel: the state's loads and stores evict-first in L2 (the state streams; the
                       cursors, rings and inputs stay cached), or the default policy
+    overlap_scores    replay kernels, per-head decay only: launched as a programmatic dependent of the scores
+                      kernel (overlapped with it; needs precompute_scores and compute capability 9.0)
 
 num_stages stays 1: no kernel has a loop whose loads Triton's pipeliner could prefetch (the fold's loads are
 unrolled by fold_chunk instead).
@@ -223,6 +225,7 @@ def derive_space(kind: KernelKind, shape: TargetShape, batch: int, channel_decay
         Parameter("fold_dot", both if replay else (False,), Scale.CATEGORICAL),
         Parameter("readout_dot", both if kind is KernelKind.REPLAY_VERIFY and not channel_decay else (False,), Scale.CATEGORICAL),
         Parameter("evict_state", both, Scale.CATEGORICAL),
+        Parameter("overlap_scores", both if replay and not channel_decay else (False,), Scale.CATEGORICAL),
     )
     return SearchSpace(kind=kind, shape=shape, parameters=parameters, default=default_config(kind, shape, batch))
 
