@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import triton
 
 from replaygen import __version__
-from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route, bucket_config, default_configs
+from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route, bucket_config, module_defaults
 from replaygen.errors import ReplaygenError
 from replaygen.harness import check_decode, check_speculative, relative_error
 from replaygen.measure import DecodeWorkload, Timing, VerifyWorkload, capture, copy_bandwidth, time_callable
@@ -99,7 +99,8 @@ class CapacityRow:
 
 @dataclass(frozen=True)
 class VerifyRow:
-    shape: str
+    shape: str  # the shape the verify kernels ran on (`verify_shape`)
+    decode_shape: str  # the benchmarked shape whose decode step is the unit of vs_decode
     capacity: int
     batch: int
     tokens: int
@@ -170,18 +171,19 @@ def bandwidth_fraction(nbytes: float, ms: float, copy_bw: float) -> float:
     return nbytes / (ms * 1e-3) / copy_bw
 
 
-def candidate_configs(kind: KernelKind, shape: TargetShape, sweep: bool) -> list[KernelConfig]:
-    """The configs to time: the defaults' open-ended bucket, or a small hand-picked grid."""
-    if not sweep:
-        return [default_configs(kind, shape)[-1].config]
+def sweep_configs(shape: TargetShape) -> list[KernelConfig]:
+    """The small hand-picked grid of `--sweep`."""
     grid = [(8, 2), (16, 4), (32, 8)]
     return [KernelConfig(block_v=bv, num_warps=w) for bv, w in grid if bv <= max(8, shape.value_dim)]
 
 
-def decode_modules(spec: Spec, shape: TargetShape, sweep: bool) -> dict[KernelConfig, ModuleType]:
-    """One rendered module per candidate config, that config for both decode kernels at every batch."""
+def decode_modules(spec: Spec, shape: TargetShape, sweep: bool) -> dict[KernelConfig | None, ModuleType]:
+    """The module of the documented defaults (key None: each decode kernel its own default table), or with `sweep`
+    one module per grid config, that config for both decode kernels at every batch."""
+    if not sweep:
+        return {None: load_kernels(spec, shape)}
     modules = {}
-    for config in candidate_configs(KernelKind.REPLAY_DECODE, shape, sweep):
+    for config in sweep_configs(shape):
         table = (BucketConfig(None, config),)
         modules[config] = load_kernels(spec, shape, {KernelKind.REPLAY_DECODE: table, KernelKind.BASELINE_DECODE: table})
     return modules
@@ -228,9 +230,10 @@ def bench_decode(
     variants = [("baseline", shape.capacity)]
     variants += [(f"replay/{route.value}", shape.capacity) for route in Route]
     variants.append((f"replay/{Route.OUTPUT_ONLY.value}", 1))
+    defaults = module_defaults(spec, shape)
     rows: list[DecodeRow] = []
     for batch in batches:
-        best: dict[tuple[str, int], tuple[Timing, KernelConfig]] = {}
+        best: dict[tuple[str, int], tuple[Timing, KernelConfig | None]] = {}
         for config, module in modules.items():
             work = DecodeWorkload(module, spec, shape, batch, act_dtype, device)
             for kernel, flush_at in variants:
@@ -245,6 +248,8 @@ def bench_decode(
             torch.cuda.empty_cache()
         base_time = best[("baseline", shape.capacity)][0].median_ms
         for (kernel, flush_at), (timing, config) in best.items():
+            kind = KernelKind.BASELINE_DECODE if kernel == "baseline" else KernelKind.REPLAY_DECODE
+            config = config or bucket_config(defaults[kind], batch)
             if kernel == "baseline":
                 nbytes, flush_at = base_bytes * batch, 1
             else:
@@ -333,7 +338,7 @@ def bench_capacity(
             require_decode_match(next(iter(modules.values())), spec, lshape, act_dtype, device)
         step_bytes = replay_decode_bytes(spec, lshape, act, capacity).total
         for batch in batches:
-            best: tuple[Timing, KernelConfig] | None = None
+            best: tuple[Timing, KernelConfig | None] | None = None
             for config, module in modules.items():
                 work = DecodeWorkload(module, spec, lshape, batch, act_dtype, device)
                 timing = work.time_replay(Route.OUTPUT_ONLY.value, capacity, repeats=20)
@@ -344,6 +349,7 @@ def bench_capacity(
                 del work
                 torch.cuda.empty_cache()
             timing, config = best
+            config = config or bucket_config(module_defaults(spec, lshape)[KernelKind.REPLAY_DECODE], batch)
             nbytes = step_bytes * batch
             rows.append(
                 CapacityRow(
@@ -527,9 +533,11 @@ def bench_verify(
         modules = {}
         if tables is not None:
             modules[None] = load_kernels(spec, vshape, tables, config_source="tuning records")
+        elif not sweep:
+            tables = module_defaults(spec, vshape)
+            modules[None] = load_kernels(spec, vshape, tables)
         else:
-            configs = [KernelConfig(block_v=bv, num_warps=w) for bv, w in ((8, 4), (16, 8))] if sweep else [default_configs(KernelKind.REPLAY_VERIFY, vshape)[-1].config]
-            for config in configs:
+            for config in (KernelConfig(block_v=bv, num_warps=w) for bv, w in ((8, 4), (16, 8))):
                 table = (BucketConfig(None, config),)
                 modules[config] = load_kernels(spec, vshape, {KernelKind.REPLAY_VERIFY: table, KernelKind.BASELINE_VERIFY: table})
         first = next(iter(modules.values()))
@@ -563,6 +571,7 @@ def bench_verify(
                 rows.append(
                     VerifyRow(
                         shape=vshape.name,
+                        decode_shape=shape.name,
                         capacity=vshape.capacity,
                         batch=batch,
                         tokens=tokens,

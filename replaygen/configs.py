@@ -19,7 +19,7 @@ import enum
 from dataclasses import dataclass
 
 from replaygen.errors import UnsupportedShapeError
-from replaygen.spec.model import TargetShape
+from replaygen.spec.model import DecayGranularity, Spec, TargetShape
 
 
 class KernelKind(enum.Enum):
@@ -129,30 +129,45 @@ def validate_config(kind: KernelKind, shape: TargetShape, config: KernelConfig) 
         raise UnsupportedShapeError(f"{kind.value}: flush_at={config.flush_at} must be 0 (= L) or 1..L={shape.capacity}")
 
 
-def default_configs(kind: KernelKind, shape: TargetShape) -> tuple[BucketConfig, ...]:
-    """Hand-picked defaults for one kernel kind (used when no tuning record is applied).
+def default_configs(kind: KernelKind, shape: TargetShape, *, channel_decay: bool = False) -> tuple[BucketConfig, ...]:
+    """Hand-picked defaults for one kernel kind (used when no tuning record is applied; `channel_decay`: the spec
+    decays per channel, so the scores cannot be precomputed once per key head).
 
-    Picked from H100 measurements (docs/perf.md, entries 7-9); a tuning record replaces them per GPU:
-    - replay decode: up to batch 8, 32 value rows, 4 warps, the flush fused into the decode kernel; above,
-      a separate flush launch (the decode kernel keeps no fold registers), 64 value rows for states of up to
-      64 x 128 values and 32 beyond; flush every L steps. Precomputed scores need a per-head decay, so they
-      are left to the tuner.
-    - replay verify: 32 value rows, 2 warps, the loop fold (entry 11; precomputed scores, which need a per-head
-      decay, are left to the tuner).
+    Distilled from the H100 tuning records (docs/perf.md, entries 13-15); a tuning record replaces them per GPU:
+    - replay decode: up to batch 8, 32 value rows, 4 warps, the flush fused into the decode kernel, flush every L
+      steps (whether flushing every step wins at small batch is the tuner's call: it depends on the GPU's latency);
+      above, one warp per 32 value rows, the ring read only where live, precomputed scores overlapped with the decode
+      kernel (programmatic dependent launch, sm90+), the state streamed evict-first.
+    - replay verify: batch 1, the state route over 8 value rows and one warp, no scores launch (the fewest
+      launches); above, one warp per 16 value rows, output-only with precomputed scores overlapped, evict-first.
     - the others: 16 value rows, 4 warps (the baseline streams the state at the copy bandwidth so).
     """
     cap = max(16, _next_pow2(shape.value_dim))
+    scores = not channel_decay
     if kind is KernelKind.REPLAY_DECODE:
-        wide = 64 if shape.value_dim * shape.key_dim <= 64 * 128 else 32
         return (
             BucketConfig(8, KernelConfig(block_v=min(32, cap), num_warps=4)),
-            BucketConfig(None, KernelConfig(block_v=min(wide, cap), num_warps=4, fused_flush=False)),
+            BucketConfig(
+                None,
+                KernelConfig(
+                    block_v=min(32, cap), num_warps=1, prefetch_ring=False, precompute_scores=scores, overlap_scores=scores, evict_state=True
+                ),
+            ),
         )
     if kind is KernelKind.REPLAY_VERIFY:
-        return (BucketConfig(None, KernelConfig(block_v=min(32, cap), num_warps=2)),)
+        return (
+            BucketConfig(1, KernelConfig(block_v=CURSOR_GRAIN, num_warps=1, route=Route.STATE_AND_OUTPUT, evict_state=True)),
+            BucketConfig(None, KernelConfig(block_v=min(16, cap), num_warps=1, precompute_scores=scores, overlap_scores=scores, evict_state=True)),
+        )
     if kind is KernelKind.COMMIT:
         return (BucketConfig(None, KernelConfig(block_v=max(CURSOR_GRAIN, _next_pow2(shape.value_dim)), num_warps=4)),)
     return (BucketConfig(None, KernelConfig(block_v=16, num_warps=4)),)
+
+
+def module_defaults(spec: Spec, shape: TargetShape) -> dict[KernelKind, tuple[BucketConfig, ...]]:
+    """`default_configs` of every kernel kind for `shape` of `spec`."""
+    channel = spec.decay.granularity is DecayGranularity.CHANNEL
+    return {kind: default_configs(kind, shape, channel_decay=channel) for kind in KernelKind}
 
 
 def _next_pow2(n: int) -> int:

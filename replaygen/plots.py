@@ -64,11 +64,17 @@ def plot_bench(json_path: Path, out_dir: Path | None = None) -> list[Path]:
 def _shapes(result: Row) -> list[str]:
     """Shape names in order of first appearance."""
     rows = [*result["decode"], *result.get("capacity_sweep", []), *result.get("verify", [])]
-    return list(dict.fromkeys(r["shape"] for r in rows))
+    return list(dict.fromkeys(_shape_of(r) for r in rows))
+
+
+def _shape_of(row: Row) -> str:
+    """The benchmarked shape a row belongs to: a verify row's decode shape (each window T runs on its own verify
+    shape, e.g. nemotron-h-mtp for T=4, but all are measured against the decode step of one benchmarked shape)."""
+    return row.get("decode_shape", row["shape"])
 
 
 def _rows(result: Row, key: str, shape: str, **match: object) -> list[Row]:
-    return [r for r in result.get(key, []) if r["shape"] == shape and all(r[k] == v for k, v in match.items())]
+    return [r for r in result.get(key, []) if _shape_of(r) == shape and all(r[k] == v for k, v in match.items())]
 
 
 def _title(result: Row, shape: str, what: str) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 from types import ModuleType
 
 from replaygen.codegen import render_module, source_hash, write_if_changed
-from replaygen.configs import BucketConfig, KernelKind, default_configs
+from replaygen.configs import BucketConfig, KernelKind, module_defaults
 from replaygen.errors import ReplaygenError
 from replaygen.plan import plan_module
 from replaygen.spec.model import Spec, TargetShape
@@ -63,7 +63,7 @@ def load_kernels(
     config_source: str = "defaults",
 ) -> ModuleType:
     """Render and import the kernels of one shape (defaults where `configs` leaves a kernel out)."""
-    chosen = {kind: default_configs(kind, shape) for kind in KernelKind}
+    chosen = module_defaults(spec, shape)
     chosen.update(configs or {})
     plan = plan_module(spec, shape, gpu, chosen, config_source)
     return import_source(render_module(plan), plan.module_name)

@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route
+from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route, module_defaults
 from replaygen.harness import check_decode, check_speculative
 from replaygen.runtime import load_kernels
 from replaygen.spec import load_spec, load_spec_text
@@ -171,3 +171,12 @@ def test_per_channel_decay_kda_style():
         assert_passes(check_speculative(module, spec, shape, device=DEVICE, steps=6, seed=13))
     with pytest.raises(UnsupportedShapeError, match="per-head decay"):
         load_kernels(spec, shape, {KernelKind.REPLAY_DECODE: (BucketConfig(None, KernelConfig(block_v=8, precompute_scores=True)),)})
+
+
+def test_default_configs_precompute_scores_only_for_a_per_head_decay():
+    per_head = module_defaults(load_spec_text(GDN_TEXT, "gdn.yaml"), SHAPE)
+    per_channel = module_defaults(load_spec_text(GDN_TEXT.replace("granularity: head", "granularity: channel"), "kda.yaml"), SHAPE)
+    for kind in (KernelKind.REPLAY_DECODE, KernelKind.REPLAY_VERIFY):
+        assert per_head[kind][-1].config.precompute_scores and per_head[kind][-1].config.overlap_scores
+        assert not any(b.config.precompute_scores or b.config.overlap_scores for b in per_channel[kind])
+    assert per_head[KernelKind.REPLAY_VERIFY][0].config.route is Route.STATE_AND_OUTPUT  # batch 1: no scores launch

@@ -8,7 +8,7 @@ import pytest
 
 from replaygen.build import build_spec
 from replaygen.codegen import reachable_source, render_module, template_hash
-from replaygen.configs import BucketConfig, KernelConfig, KernelKind, default_configs
+from replaygen.configs import BucketConfig, KernelConfig, KernelKind, default_configs, module_defaults
 from replaygen.errors import ReplaygenError, UnsupportedShapeError
 from replaygen.plan import plan_module
 from replaygen.spec import load_spec, load_spec_text
@@ -17,7 +17,7 @@ from conftest import ROOT, SMALL
 
 
 def default_plan(spec, shape, gpu="h100"):
-    return plan_module(spec, shape, gpu, {k: default_configs(k, shape) for k in KernelKind}, "defaults")
+    return plan_module(spec, shape, gpu, module_defaults(spec, shape), "defaults")
 
 
 def header(source: str) -> dict:
@@ -57,7 +57,7 @@ def test_provenance_header(mamba2):
 
 def test_config_changes_the_source(mamba2):
     shape = mamba2.shapes[0]
-    configs = {k: default_configs(k, shape) for k in KernelKind}
+    configs = module_defaults(mamba2, shape)
     a = render_module(plan_module(mamba2, shape, "h100", configs, "defaults"))
     configs[KernelKind.BASELINE_DECODE] = (BucketConfig(None, KernelConfig(block_v=32, num_warps=8)),)
     b = render_module(plan_module(mamba2, shape, "h100", configs, "defaults"))
@@ -97,7 +97,7 @@ def test_bad_gpu_name(mamba2, tmp_path):
 
 def test_invalid_config_rejected_before_compile(mamba2):
     shape = mamba2.shapes[0]
-    configs = {k: default_configs(k, shape) for k in KernelKind}
+    configs = module_defaults(mamba2, shape)
     configs[KernelKind.REPLAY_DECODE] = (BucketConfig(None, KernelConfig(block_v=24)),)
     with pytest.raises(UnsupportedShapeError, match="power of two"):
         plan_module(mamba2, shape, "h100", configs, "defaults")

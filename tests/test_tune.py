@@ -90,7 +90,9 @@ def test_space_of_the_main_shape(mamba2):
         "overlap_scores": both,
     }
     assert space.size == 4 * 4 * 2 * 2 * 16 * 2 * 2 * 2 * 4 * 2 * 2 * 2
-    assert space.default == KernelConfig(block_v=64, num_warps=4, flush_at=16, fused_flush=False)  # the default's 0 written as L
+    assert space.default == KernelConfig(  # the default's 0 written as L
+        block_v=32, num_warps=1, flush_at=16, prefetch_ring=False, precompute_scores=True, overlap_scores=True, evict_state=True
+    )
     assert space.candidates()[0] == space.default
     assert derive_space(RD, shape, batch=1).default == KernelConfig(block_v=32, num_warps=4, flush_at=16)
     assert {p.name for p in derive_space(RD, shape, 128, channel_decay=True).free} == set(choices) - {"num_stages", "precompute_scores", "readout_dot", "overlap_scores"}

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from replaygen import __version__
-from replaygen.configs import BucketConfig, KernelConfig, KernelKind, default_configs
+from replaygen.configs import BucketConfig, KernelConfig, KernelKind, module_defaults
 from replaygen.errors import TuningRecordError, UnsupportedShapeError
 from replaygen.spec.model import Spec, TargetShape
 from replaygen.tune.records import RecordFile, TrialRecord, TrialStatus, read_records, record_path, render_candidate, shape_sha256
@@ -105,7 +105,7 @@ def resolve_configs(
     accept_env_mismatch: bool = False,
 ) -> Resolved:
     """The configs to build `shape` with: winners from tune/<gpu>/<spec>_<shape>.json, defaults where allowed."""
-    defaults = {kind: default_configs(kind, shape) for kind in KernelKind}
+    defaults = module_defaults(spec, shape)
     path = record_path(tune_dir, gpu, spec, shape)
     label = "/".join(path.parts[-3:])  # e.g. tune/h100/mamba2_nemotron_h.json
     if not path.exists():

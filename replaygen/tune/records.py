@@ -32,7 +32,7 @@ from pathlib import Path
 
 from replaygen import __version__
 from replaygen.codegen import reachable_source, render_module, source_hash, template_hash, write_if_changed
-from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route, default_configs
+from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route, module_defaults
 from replaygen.errors import TuningRecordError
 from replaygen.plan import plan_module
 from replaygen.spec.model import Spec, TargetShape
@@ -119,7 +119,7 @@ def shape_sha256(shape: TargetShape) -> str:
 
 def render_candidate(spec: Spec, shape: TargetShape, kind: KernelKind, config: KernelConfig) -> Candidate:
     """The module that runs `config` for `kind` (every bucket) and the defaults for every other kernel."""
-    configs = {k: default_configs(k, shape) for k in KernelKind}
+    configs = module_defaults(spec, shape)
     configs[kind] = (BucketConfig(None, config),)
     source = render_module(plan_module(spec, shape, CANDIDATE_GPU, configs, CANDIDATE_SOURCE))
     key = KernelKey(

@@ -227,12 +227,12 @@ def derive_space(kind: KernelKind, shape: TargetShape, batch: int, channel_decay
         Parameter("evict_state", both, Scale.CATEGORICAL),
         Parameter("overlap_scores", both if replay and not channel_decay else (False,), Scale.CATEGORICAL),
     )
-    return SearchSpace(kind=kind, shape=shape, parameters=parameters, default=default_config(kind, shape, batch))
+    return SearchSpace(kind=kind, shape=shape, parameters=parameters, default=default_config(kind, shape, batch, channel_decay))
 
 
-def default_config(kind: KernelKind, shape: TargetShape, batch: int) -> KernelConfig:
+def default_config(kind: KernelKind, shape: TargetShape, batch: int, channel_decay: bool = False) -> KernelConfig:
     """The documented default for `batch` (its bucket of `default_configs`), flush_at 0 written as L."""
-    config = bucket_config(default_configs(kind, shape), batch)
+    config = bucket_config(default_configs(kind, shape, channel_decay=channel_decay), batch)
     if kind is KernelKind.REPLAY_DECODE and config.flush_at == 0:
         config = replace(config, flush_at=shape.capacity)
     return config
