@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from replaygen import bench, measure
-from replaygen.configs import KernelKind, default_configs
+from replaygen.configs import KernelKind, bucket_config, default_configs, module_defaults
 from replaygen.errors import ReplaygenError
 from replaygen.measure import Timing
 from replaygen.spec import load_spec
@@ -66,7 +66,12 @@ def test_bench_rows_and_json(mamba2, tmp_path, fake_gpu):
     for row in saved["decode"] + saved["verify"]:
         assert row["model_ms"] == pytest.approx(row["bytes_per_step"] / COPY_BW * 1e3)
         assert row["bandwidth_fraction"] == pytest.approx(row["model_ms"] / row["timing"]["median_ms"])
+    defaults = module_defaults(mamba2, shape)  # without --gpu each decode kernel runs its own default
+    base = next(r for r in saved["decode"] if r["kernel"] == "baseline")
+    assert base["config"] == bucket_config(defaults[KernelKind.BASELINE_DECODE], 2).as_dict()
+    assert replay["config"] == bucket_config(defaults[KernelKind.REPLAY_DECODE], 2).as_dict()
     verify = {(r["kernel"], r["accept"]): r for r in saved["verify"]}
+    assert {r["decode_shape"] for r in saved["verify"]} == {"small"}
     assert verify[("replay_verify", "all")]["vs_decode"] == 0.7
     assert verify[("replay_verify", "all")]["vs_baseline_verify"] == 0.7 / 2.5
     memory = saved["memory"][0]
