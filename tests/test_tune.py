@@ -111,6 +111,12 @@ def test_pruning_rules(mamba2):
     assert space.prune_reason(KernelConfig(block_v=64, num_warps=1, flush_at=8)) is PruneRule.SPILLS  # 64*128/32 = 256 per thread
     assert space.prune_reason(KernelConfig(block_v=64, num_warps=2, flush_at=8)) is None  # 128 per thread
     assert space.prune_reason(KernelConfig(block_v=16, flush_at=1, route=Route.STATE_AND_OUTPUT)) is PruneRule.UNUSED_ROUTE
+    every_step = KernelConfig(block_v=16, flush_at=1, fold_chunk=1, evict_state=True)
+    assert space.prune_reason(every_step) is None
+    for knob in (dict(precompute_scores=True), dict(precompute_scores=True, overlap_scores=True), dict(fused_flush=False), dict(prefetch_ring=False),
+                 dict(fold_dot=True)):
+        assert space.prune_reason(replace(every_step, **knob)) is PruneRule.UNUSED_AT_EVERY_STEP
+    assert space.prune_reason(replace(every_step, flush_at=2, precompute_scores=True)) is None
     assert space.prune_reason(KernelConfig(block_v=24, flush_at=8)) is PruneRule.INVALID
     assert space.prune_reason(KernelConfig(block_v=8, flush_at=8, fold_dot=True)) is PruneRule.INVALID  # tl.dot needs 16 rows
     assert space.prune_reason(KernelConfig(block_v=8, flush_at=8, overlap_scores=True)) is PruneRule.INVALID  # no scores kernel

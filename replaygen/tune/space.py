@@ -36,6 +36,9 @@ Pruning rules, applied to a point before anything is rendered or compiled:
     IDLE_THREADS   the state tile has fewer elements than the program has threads
     UNUSED_ROUTE   flush_at=1 flushes on every step, so the route of non-flush steps never runs:
                    only output_only is kept
+    UNUSED_AT_EVERY_STEP  flush_at=1 runs the baseline's step on the checkpoint: no scores kernel, no ring tile,
+                   no flush launch, the loop fold; precompute_scores, overlap_scores, prefetch_ring, fused_flush
+                   and fold_dot keep their defaults (False, False, True, True, False)
     UNUSED_SCORES  the state-and-output route reads the rebuilt state, never the precomputed scores
     REFOLD         the state-and-output route already forms the state: a separate flush launch would
                    read the checkpoint again to form it once more
@@ -86,6 +89,7 @@ class PruneRule(enum.Enum):
     SPILLS = f"state tile needs more than {MAX_TILE_VALUES_PER_THREAD} fp32 values per thread"
     IDLE_THREADS = "state tile has fewer elements than the program has threads"
     UNUSED_ROUTE = "flush_at=1 never runs the route of non-flush steps"
+    UNUSED_AT_EVERY_STEP = "flush_at=1 launches no scores kernel and no flush launch and folds by the loop: only the defaults of the knobs for those are kept"
     UNUSED_SCORES = "the state-and-output route never reads precomputed scores"
     REFOLD = "the state-and-output route forms the state anyway: a separate flush would form it again"
     UNUSED_DOT = "without fused_flush the decode kernel never folds"
@@ -168,6 +172,8 @@ class SearchSpace:
             state_route = config.route is Route.STATE_AND_OUTPUT
             if config.flush_at == 1 and state_route:
                 return PruneRule.UNUSED_ROUTE
+            if config.flush_at == 1 and (config.precompute_scores or config.overlap_scores or not config.fused_flush or not config.prefetch_ring or config.fold_dot):
+                return PruneRule.UNUSED_AT_EVERY_STEP
             if state_route and config.precompute_scores:
                 return PruneRule.UNUSED_SCORES
             if state_route and not config.fused_flush:
