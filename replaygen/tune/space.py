@@ -89,7 +89,7 @@ class PruneRule(enum.Enum):
     SPILLS = f"state tile needs more than {MAX_TILE_VALUES_PER_THREAD} fp32 values per thread"
     IDLE_THREADS = "state tile has fewer elements than the program has threads"
     UNUSED_ROUTE = "flush_at=1 never runs the route of non-flush steps"
-    UNUSED_AT_EVERY_STEP = "flush_at=1 launches no scores kernel and no flush launch and folds by the loop: only the defaults of the knobs for those are kept"
+    UNUSED_AT_EVERY_STEP = "flush_at=1 launches no scores kernel or flush launch, reads no ring tile, folds by the loop"
     UNUSED_SCORES = "the state-and-output route never reads precomputed scores"
     REFOLD = "the state-and-output route forms the state anyway: a separate flush would form it again"
     UNUSED_DOT = "without fused_flush the decode kernel never folds"
@@ -172,7 +172,8 @@ class SearchSpace:
             state_route = config.route is Route.STATE_AND_OUTPUT
             if config.flush_at == 1 and state_route:
                 return PruneRule.UNUSED_ROUTE
-            if config.flush_at == 1 and (config.precompute_scores or config.overlap_scores or not config.fused_flush or not config.prefetch_ring or config.fold_dot):
+            idle_knobs = config.precompute_scores or config.overlap_scores or not config.fused_flush or not config.prefetch_ring or config.fold_dot
+            if config.flush_at == 1 and idle_knobs:
                 return PruneRule.UNUSED_AT_EVERY_STEP
             if state_route and config.precompute_scores:
                 return PruneRule.UNUSED_SCORES
