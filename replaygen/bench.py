@@ -334,6 +334,7 @@ def bench_capacity(
     for capacity in capacities:
         lshape = capacity_shape(shape, capacity)
         modules = decode_modules(spec, lshape, sweep)
+        defaults = module_defaults(spec, lshape)[KernelKind.REPLAY_DECODE]
         if lshape != shape:
             require_decode_match(next(iter(modules.values())), spec, lshape, act_dtype, device)
         step_bytes = replay_decode_bytes(spec, lshape, act, capacity).total
@@ -349,7 +350,7 @@ def bench_capacity(
                 del work
                 torch.cuda.empty_cache()
             timing, config = best
-            config = config or bucket_config(module_defaults(spec, lshape)[KernelKind.REPLAY_DECODE], batch)
+            config = config or bucket_config(defaults, batch)
             nbytes = step_bytes * batch
             rows.append(
                 CapacityRow(

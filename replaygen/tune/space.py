@@ -172,7 +172,7 @@ class SearchSpace:
             state_route = config.route is Route.STATE_AND_OUTPUT
             if config.flush_at == 1 and state_route:
                 return PruneRule.UNUSED_ROUTE
-            idle_knobs = config.precompute_scores or config.overlap_scores or not config.fused_flush or not config.prefetch_ring or config.fold_dot
+            idle_knobs = config.precompute_scores or not config.fused_flush or not config.prefetch_ring or config.fold_dot  # overlap needs precompute
             if config.flush_at == 1 and idle_knobs:
                 return PruneRule.UNUSED_AT_EVERY_STEP
             if state_route and config.precompute_scores:
