@@ -189,6 +189,11 @@ def decode_modules(spec: Spec, shape: TargetShape, sweep: bool) -> dict[KernelCo
     return modules
 
 
+def timed_config(config: KernelConfig | None, table: tuple[BucketConfig, ...], batch: int) -> KernelConfig:
+    """The config a timing ran: `config`, or for a module keyed None (its own dispatch table) the bucket of `batch`."""
+    return config if config is not None else bucket_config(table, batch)
+
+
 def require_decode_match(module: ModuleType, spec: Spec, shape: TargetShape, act_dtype: torch.dtype, device: torch.device) -> None:
     """Refuse to time kernels that disagree with the float64 reference on this device."""
     report = check_decode(module, spec, shape, device=device, act_dtype=act_dtype, batch=3, cycles=2)
@@ -249,7 +254,7 @@ def bench_decode(
         base_time = best[("baseline", shape.capacity)][0].median_ms
         for (kernel, flush_at), (timing, config) in best.items():
             kind = KernelKind.BASELINE_DECODE if kernel == "baseline" else KernelKind.REPLAY_DECODE
-            config = config or bucket_config(defaults[kind], batch)
+            config = timed_config(config, defaults[kind], batch)
             if kernel == "baseline":
                 nbytes, flush_at = base_bytes * batch, 1
             else:
@@ -350,7 +355,7 @@ def bench_capacity(
                 del work
                 torch.cuda.empty_cache()
             timing, config = best
-            config = config or bucket_config(defaults, batch)
+            config = timed_config(config, defaults, batch)
             nbytes = step_bytes * batch
             rows.append(
                 CapacityRow(
@@ -561,8 +566,7 @@ def bench_verify(
             torch.cuda.empty_cache()
             base_verify = best[("baseline_verify", "all")][0].median_ms
             for (kernel, accept), (timing, config) in best.items():
-                if config is None:
-                    config = bucket_config(tables[KernelKind(kernel)], batch)
+                config = timed_config(config, tables[KernelKind(kernel)], batch)
                 if kernel == "baseline_verify":
                     nbytes = baseline_verify_bytes(spec, vshape, act, tokens).total
                 else:
