@@ -168,7 +168,7 @@ def test_plan_tasks_is_batch_major_and_checks_fix(mamba2):
 
 def key_parts(candidate):
     k = candidate.key
-    return {"source": k.source_sha256, "template": k.template_sha256, "spec": k.spec_sha256, "shape": k.shape_sha256}
+    return {"source": k.source_sha256, "template": k.template_sha256, "spec": k.spec_content_sha256, "shape": k.shape_sha256}
 
 
 def changed(a, b):
@@ -179,9 +179,12 @@ def test_each_key_input_changes_its_part_only(mamba2, monkeypatch, tmp_path):
     config = KernelConfig(block_v=16, num_warps=2, flush_at=3)
     base = key_parts(render_candidate(mamba2, SHAPE, RD, config))
     base_env = env().fingerprint()
-    # spec
-    other_spec = load_spec_text((ROOT / "specs" / "mamba2.yaml").read_text().replace("description:", "description: (edited)"), "mamba2.yaml")
-    assert changed(base, key_parts(render_candidate(other_spec, SHAPE, RD, config))) == {"spec"}  # the description is no code
+    # spec: what it says of the recurrence, dtypes and buffer; not its description, comments or other shapes
+    text = (ROOT / "specs" / "mamba2.yaml").read_text()
+    described = load_spec_text(text.replace("description:", "description: (edited)"), "mamba2.yaml")
+    assert changed(base, key_parts(render_candidate(described, SHAPE, RD, config))) == set()
+    fewer_dtypes = load_spec_text(text.replace("activations: [bfloat16, float16, float32]", "activations: [bfloat16, float32]"), "mamba2.yaml")
+    assert "spec" in changed(base, key_parts(render_candidate(fewer_dtypes, SHAPE, RD, config)))
     # shape
     assert changed(base, key_parts(render_candidate(mamba2, replace(SHAPE, capacity=5), RD, config))) == {"source", "shape"}
     # GPU name and triton version: the environment only
@@ -276,8 +279,43 @@ def test_malformed_trial_is_located(mamba2, tmp_path):
     with pytest.raises(TuningRecordError, match=r"trial 0 is malformed \(ValueError"):
         read_records(path)
     path.write_text(json.dumps({"format": 99}))
-    with pytest.raises(TuningRecordError, match="not a tuning record of format 1"):
+    with pytest.raises(TuningRecordError, match="not a tuning record of format 1 or 2"):
         read_records(path)
+
+
+def test_records_survive_edits_that_change_no_kernel(mamba2, tmp_path):
+    """A shape added to the spec, a comment or the description edited: the spec's records still apply."""
+    shape = mamba2.shape("nemotron-h")
+    config = KernelConfig(block_v=32, num_warps=8, flush_at=8)
+    write(tmp_path, mamba2, shape, [trial(mamba2, shape, RD, config, 8, 0.1)])
+    text = (ROOT / "specs" / "mamba2.yaml").read_text()
+    extended = text.replace("shapes:\n", "shapes:\n  # a user's own split\n  nemotron-h-tp16: {heads: 8, key_heads: 1, value_dim: 64, key_dim: 128}\n", 1)
+    extended = extended.replace("description:", "description: (edited)")
+    spec = load_spec_text(extended, "mamba2.yaml")
+    assert spec.shape("nemotron-h-tp16").heads == 8 and spec.source_sha256 != mamba2.source_sha256
+    assert resolve_configs(spec, shape, "h100", tmp_path).configs[RD] == (rec.BucketConfig(None, config),)
+
+
+def test_format_1_records_apply_while_the_spec_file_is_unchanged(mamba2, tmp_path):
+    """Records written before the spec's content hash name the spec file's bytes: they apply to that file only."""
+    shape = mamba2.shape("nemotron-h")
+    config = KernelConfig(block_v=32, num_warps=8, flush_at=8)
+    path = write(tmp_path, mamba2, shape, [trial(mamba2, shape, RD, config, 8, 0.1)])
+    raw = json.loads(path.read_text())
+    raw["format"] = 1
+    for t in raw["trials"]:
+        del t["key"]["spec_content_sha256"]
+        t["key"]["spec_sha256"] = mamba2.source_sha256
+    path.write_text(json.dumps(raw))
+    assert read_records(path).trials[0].key.spec_file_sha256 == mamba2.source_sha256
+    assert resolve_configs(mamba2, shape, "h100", tmp_path).configs[RD] == (rec.BucketConfig(None, config),)
+    described = load_spec_text((ROOT / "specs" / "mamba2.yaml").read_text().replace("description:", "description: (edited)"), "mamba2.yaml")
+    with pytest.raises(TuningRecordError, match=r"spec changed since tuning \(spec file sha256 .* \(a record of format 1\)"):
+        resolve_configs(described, shape, "h100", tmp_path)
+    append_trials(path, spec=mamba2.name, shape=shape.name, gpu="h100", trials=[trial(mamba2, shape, BD, KernelConfig(block_v=16), 8, 0.2)])
+    rewritten = json.loads(path.read_text())
+    assert rewritten["format"] == 2 and [sorted(t["key"]) for t in rewritten["trials"]][0] == sorted(raw["trials"][0]["key"])
+    assert "spec_content_sha256" in rewritten["trials"][1]["key"]
 
 
 # --- build with records ------------------------------------------------------------------------
@@ -361,7 +399,7 @@ def test_mismatched_records_are_never_applied_silently(mamba2, tmp_path, monkeyp
 
     shutil.rmtree(tune_dir)
     write(tune_dir, mamba2, shape, [trial(mamba2, shape, RD, config, 8, 0.1)])
-    edited = load_spec_text((ROOT / "specs" / "mamba2.yaml").read_text().replace("description:", "description: (edited)"), "mamba2.yaml")
+    edited = load_spec_text((ROOT / "specs" / "mamba2.yaml").read_text().replace("activations: [bfloat16, float16, float32]", "activations: [bfloat16, float32]"), "mamba2.yaml")
     with pytest.raises(TuningRecordError, match="spec changed since tuning"):
         resolve_configs(edited, shape, "h100", tune_dir)
 

@@ -10,7 +10,9 @@ decay multiplies the whole state (granularity `head`) or its key columns
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import hashlib
+import json
+from dataclasses import asdict, dataclass
 
 
 class DType(enum.Enum):
@@ -190,6 +192,17 @@ class Spec:
     shapes: tuple[TargetShape, ...]
     source_file: str
     source_sha256: str
+
+    def content_sha256(self) -> str:
+        """Hash of what the spec says about the recurrence, its buffer and its dtypes: every field but the
+        description, the target shapes and the file it was read from. Adding a shape or editing a comment or the
+        description leaves it as it was, so tuning records (keyed by it, by the shape's own sizes and by the code a
+        trial ran) stay applicable."""
+        content = asdict(self)
+        for name in ("description", "shapes", "source_file", "source_sha256"):
+            del content[name]
+        text = json.dumps(content, sort_keys=True, default=lambda value: value.value if isinstance(value, enum.Enum) else repr(value))
+        return hashlib.sha256(text.encode()).hexdigest()
 
     def shape(self, name: str) -> TargetShape:
         for shape in self.shapes:

@@ -53,21 +53,25 @@ class BuildTarget:
     shape: TargetShape
     gpu: str
     triton: str
+    spec_content_sha256: str
     replaygen: str = __version__
 
 
 def build_target(spec: Spec, shape: TargetShape, gpu: str) -> BuildTarget:
     import triton
 
-    return BuildTarget(spec=spec, shape=shape, gpu=gpu, triton=triton.__version__)
+    return BuildTarget(spec=spec, shape=shape, gpu=gpu, triton=triton.__version__, spec_content_sha256=spec.content_sha256())
 
 
 def mismatches(trial: TrialRecord, target: BuildTarget) -> list[tuple[Mismatch, str]]:
     """Why `trial` does not match `target` (cheap checks; the source hash is checked for winners only)."""
     found = []
     env = trial.environment
-    if trial.key.spec_sha256 != target.spec.source_sha256:
-        found.append((Mismatch.SPEC, f"spec sha256 {trial.key.spec_sha256[:12]} then, {target.spec.source_sha256[:12]} now"))
+    if trial.key.spec_file_sha256:
+        if trial.key.spec_file_sha256 != target.spec.source_sha256:
+            found.append((Mismatch.SPEC, f"spec file sha256 {trial.key.spec_file_sha256[:12]} then, {target.spec.source_sha256[:12]} now (a record of format 1)"))
+    elif trial.key.spec_content_sha256 != target.spec_content_sha256:
+        found.append((Mismatch.SPEC, f"spec content sha256 {trial.key.spec_content_sha256[:12]} then, {target.spec_content_sha256[:12]} now"))
     if trial.key.shape_sha256 != shape_sha256(target.shape):
         found.append((Mismatch.SHAPE, f"shape '{target.shape.name}' has other sizes now"))
     if env.gpu != target.gpu:

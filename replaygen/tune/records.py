@@ -37,7 +37,10 @@ from replaygen.errors import TuningRecordError
 from replaygen.plan import plan_module
 from replaygen.spec.model import Spec, TargetShape
 
-RECORD_FORMAT = 1
+# Format 2 keys a trial by the spec's content (Spec.content_sha256); format 1 by the spec file's bytes, still read
+# (such a trial applies while the spec file is byte for byte the one it was tuned with).
+RECORD_FORMAT = 2
+READABLE_FORMATS = (1, 2)
 # The module functions a trial of each kind runs (replaygen.measure's workloads: allocation, then the timed step);
 # a trial's key hashes the code they reach.
 TIMED_ENTRY_POINTS: dict[KernelKind, tuple[str, ...]] = {
@@ -96,8 +99,9 @@ class KernelKey:
     kind: KernelKind
     source_sha256: str  # the code the trial ran: reachable_source of the candidate module from TIMED_ENTRY_POINTS[kind]
     template_sha256: str
-    spec_sha256: str
+    spec_content_sha256: str  # Spec.content_sha256: a shape added to the spec or an edited comment leaves it as it was
     shape_sha256: str
+    spec_file_sha256: str = ""  # records of format 1 name the spec file's bytes instead (spec_content_sha256 empty)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,7 +130,7 @@ def render_candidate(spec: Spec, shape: TargetShape, kind: KernelKind, config: K
         kind=kind,
         source_sha256=source_hash(reachable_source(source, TIMED_ENTRY_POINTS[kind])),
         template_sha256=template_hash(),
-        spec_sha256=spec.source_sha256,
+        spec_content_sha256=spec.content_sha256(),
         shape_sha256=shape_sha256(shape),
     )
     return Candidate(key=key, config=config, source=source)
@@ -173,13 +177,21 @@ class TrialRecord:
             "study": self.study,
             "batch": self.batch,
             "config": self.config.as_dict(),
-            "key": {**asdict(self.key), "kind": self.key.kind.value},
+            "key": self._key_dict(),
             "environment": asdict(self.environment),
             "activation_dtype": self.activation_dtype,
             "status": self.status.value,
             "timing": asdict(self.timing) if self.timing else None,
             "error": self.error,
         }
+
+    def _key_dict(self) -> dict[str, object]:
+        key = {**asdict(self.key), "kind": self.key.kind.value}
+        legacy = key.pop("spec_file_sha256")
+        if legacy:
+            del key["spec_content_sha256"]
+            key["spec_sha256"] = legacy
+        return key
 
     @classmethod
     def from_dict(cls, raw: dict) -> TrialRecord:
@@ -194,7 +206,8 @@ class TrialRecord:
                 kind=KernelKind(key["kind"]),
                 source_sha256=_text(key["source_sha256"]),
                 template_sha256=_text(key["template_sha256"]),
-                spec_sha256=_text(key["spec_sha256"]),
+                spec_content_sha256=_text(key["spec_content_sha256"]) if "spec_content_sha256" in key else "",
+                spec_file_sha256="" if "spec_content_sha256" in key else _text(key["spec_sha256"]),
                 shape_sha256=_text(key["shape_sha256"]),
             ),
             environment=Environment(**{k: _text(v) for k, v in dict(raw["environment"]).items()}),
@@ -279,8 +292,8 @@ def read_records(path: Path) -> RecordFile:
         raw = json.loads(text)
     except json.JSONDecodeError as exc:
         raise TuningRecordError(f"{path}: corrupt or truncated tuning record (line {exc.lineno}, column {exc.colno}: {exc.msg}); restore it from git or delete it") from None
-    if not isinstance(raw, dict) or raw.get("format") != RECORD_FORMAT:
-        raise TuningRecordError(f"{path}: not a tuning record of format {RECORD_FORMAT}")
+    if not isinstance(raw, dict) or raw.get("format") not in READABLE_FORMATS:
+        raise TuningRecordError(f"{path}: not a tuning record of format {' or '.join(map(str, READABLE_FORMATS))}")
     trials = []
     for index, trial in enumerate(raw.get("trials", ())):
         try:

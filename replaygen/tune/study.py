@@ -198,7 +198,7 @@ class Tuner:
         digest = canonical_sha256({
             "space": task.space.key(),
             "template_sha256": template_hash(),
-            "spec_sha256": task.spec.source_sha256,
+            "spec_content_sha256": task.spec.content_sha256(),
             "environment": self.environment.fingerprint(),
             "activation_dtype": self.settings.activation_dtype,
         })
