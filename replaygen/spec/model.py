@@ -201,7 +201,7 @@ class Spec:
         content = asdict(self)
         for name in ("description", "shapes", "source_file", "source_sha256"):
             del content[name]
-        text = json.dumps(content, sort_keys=True, default=lambda value: value.value if isinstance(value, enum.Enum) else repr(value))
+        text = json.dumps(content, sort_keys=True, default=_enum_value)
         return hashlib.sha256(text.encode()).hexdigest()
 
     def shape(self, name: str) -> TargetShape:
@@ -216,3 +216,10 @@ class Spec:
             if entry.field is field:
                 return entry
         return None
+
+
+def _enum_value(value: object) -> object:
+    """The JSON form of a spec field value that is not a plain type (content_sha256)."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    raise TypeError(f"spec field value {value!r} has no canonical form")
