@@ -10,9 +10,7 @@ decay multiplies the whole state (granularity `head`) or its key columns
 from __future__ import annotations
 
 import enum
-import hashlib
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 
 class DType(enum.Enum):
@@ -193,17 +191,6 @@ class Spec:
     source_file: str
     source_sha256: str
 
-    def content_sha256(self) -> str:
-        """Hash of what the spec says about the recurrence, its buffer and its dtypes: every field but the
-        description, the target shapes and the file it was read from. Adding a shape or editing a comment or the
-        description leaves it as it was, so tuning records (keyed by it, by the shape's own sizes and by the code a
-        trial ran) stay applicable."""
-        content = asdict(self)
-        for name in ("description", "shapes", "source_file", "source_sha256"):
-            del content[name]
-        text = json.dumps(content, sort_keys=True, default=_enum_value)
-        return hashlib.sha256(text.encode()).hexdigest()
-
     def shape(self, name: str) -> TargetShape:
         for shape in self.shapes:
             if shape.name == name:
@@ -216,10 +203,3 @@ class Spec:
             if entry.field is field:
                 return entry
         return None
-
-
-def _enum_value(value: object) -> object:
-    """The JSON form of a spec field value that is not a plain type (content_sha256)."""
-    if isinstance(value, enum.Enum):
-        return value.value
-    raise TypeError(f"spec field value {value!r} has no canonical form")

@@ -27,7 +27,7 @@ from replaygen import __version__
 from replaygen.configs import BucketConfig, KernelConfig, KernelKind, module_defaults
 from replaygen.errors import TuningRecordError, UnsupportedShapeError
 from replaygen.spec.model import Spec, TargetShape
-from replaygen.tune.records import RecordFile, TrialRecord, TrialStatus, read_records, record_path, render_candidate, shape_sha256
+from replaygen.tune.records import RecordFile, TrialRecord, TrialStatus, read_records, record_path, render_candidate, shape_sha256, spec_content_sha256
 from replaygen.tune.space import TUNABLE_KINDS
 
 
@@ -60,7 +60,7 @@ class BuildTarget:
 def build_target(spec: Spec, shape: TargetShape, gpu: str) -> BuildTarget:
     import triton
 
-    return BuildTarget(spec=spec, shape=shape, gpu=gpu, triton=triton.__version__, spec_content_sha256=spec.content_sha256())
+    return BuildTarget(spec=spec, shape=shape, gpu=gpu, triton=triton.__version__, spec_content_sha256=spec_content_sha256(spec))
 
 
 def mismatches(trial: TrialRecord, target: BuildTarget) -> list[tuple[Mismatch, str]]:

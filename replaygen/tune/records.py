@@ -37,7 +37,7 @@ from replaygen.errors import TuningRecordError
 from replaygen.plan import plan_module
 from replaygen.spec.model import Spec, TargetShape
 
-# Format 2 keys a trial by the spec's content (Spec.content_sha256); format 1 by the spec file's bytes, still read
+# Format 2 keys a trial by the spec's content (spec_content_sha256); format 1 by the spec file's bytes, still read
 # (such a trial applies while the spec file is byte for byte the one it was tuned with).
 RECORD_FORMAT = 2
 READABLE_FORMATS = (1, 2)
@@ -66,7 +66,14 @@ class TrialStatus(enum.Enum):
 
 
 def canonical_sha256(payload: object) -> str:
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=_enum_value).encode()).hexdigest()
+
+
+def _enum_value(value: object) -> object:
+    """The JSON form of a hashed value that is not a plain type."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    raise TypeError(f"{value!r} has no canonical form")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,7 +106,7 @@ class KernelKey:
     kind: KernelKind
     source_sha256: str  # the code the trial ran: reachable_source of the candidate module from TIMED_ENTRY_POINTS[kind]
     template_sha256: str
-    spec_content_sha256: str  # Spec.content_sha256: a shape added to the spec or an edited comment leaves it as it was
+    spec_content_sha256: str  # spec_content_sha256(spec): a shape added to the spec or an edited comment leaves it as it was
     shape_sha256: str
     spec_file_sha256: str = ""  # records of format 1 name the spec file's bytes instead (spec_content_sha256 empty)
 
@@ -121,6 +128,16 @@ def shape_sha256(shape: TargetShape) -> str:
     return canonical_sha256(asdict(shape))
 
 
+def spec_content_sha256(spec: Spec) -> str:
+    """What the spec says about the recurrence, its buffer and its dtypes: every field but the description, the
+    target shapes and the file it was read from. Adding a shape or editing a comment or the description leaves it as
+    it was, so tuning records (keyed by it, by the shape's own sizes and by the code a trial ran) stay applicable."""
+    content = asdict(spec)
+    for name in ("description", "shapes", "source_file", "source_sha256"):
+        del content[name]
+    return canonical_sha256(content)
+
+
 def render_candidate(spec: Spec, shape: TargetShape, kind: KernelKind, config: KernelConfig) -> Candidate:
     """The module that runs `config` for `kind` (every bucket) and the defaults for every other kernel."""
     configs = module_defaults(spec, shape)
@@ -130,7 +147,7 @@ def render_candidate(spec: Spec, shape: TargetShape, kind: KernelKind, config: K
         kind=kind,
         source_sha256=source_hash(reachable_source(source, TIMED_ENTRY_POINTS[kind])),
         template_sha256=template_hash(),
-        spec_content_sha256=spec.content_sha256(),
+        spec_content_sha256=spec_content_sha256(spec),
         shape_sha256=shape_sha256(shape),
     )
     return Candidate(key=key, config=config, source=source)

@@ -42,7 +42,7 @@ from replaygen.configs import KernelConfig, KernelKind
 from replaygen.errors import ReplaygenError
 from replaygen.spec.model import DecayGranularity, Spec, TargetShape
 from replaygen.tune.objective import Evaluator, TuneAborted
-from replaygen.tune.records import Environment, RecordStore, TrialRecord, TrialStatus, canonical_sha256, render_candidate
+from replaygen.tune.records import Environment, RecordStore, TrialRecord, TrialStatus, canonical_sha256, render_candidate, spec_content_sha256
 from replaygen.tune.space import Scale, SearchSpace, derive_space
 
 log = logging.getLogger(__name__)
@@ -198,7 +198,7 @@ class Tuner:
         digest = canonical_sha256({
             "space": task.space.key(),
             "template_sha256": template_hash(),
-            "spec_content_sha256": task.spec.content_sha256(),
+            "spec_content_sha256": spec_content_sha256(task.spec),
             "environment": self.environment.fingerprint(),
             "activation_dtype": self.settings.activation_dtype,
         })
