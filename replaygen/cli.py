@@ -9,9 +9,11 @@ import sys
 from pathlib import Path
 
 from replaygen import __version__
-from replaygen.configs import KernelKind
+from replaygen.configs import BATCH_BUCKETS, KernelKind
 from replaygen.errors import ReplaygenError
 from replaygen.tune.space import TUNABLE_KINDS as TUNABLE
+
+DEFAULT_BATCHES = ",".join(map(str, BATCH_BUCKETS))
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -54,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         "cycled past L2), whole flush cycles, CUDA graphs, medians with the 20-80% spread; report the traffic model "
         "and the fraction of the measured copy bandwidth."))
     _add_spec(p)
-    p.add_argument("--batch", default="1,8,32,128,256,512", help="comma-separated batch sizes (default: 1,8,32,128,256,512)")
+    p.add_argument("--batch", default=DEFAULT_BATCHES, help=f"comma-separated batch sizes (default: {DEFAULT_BATCHES})")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation dtype (default: bf16)")
     p.add_argument("--sweep", action="store_true", help="also time a small grid of launch configs and keep the best")
     p.add_argument("--T", dest="windows", default="2,4,6,8", help="speculative windows to time verify at (default: 2,4,6,8; '' to skip)")
@@ -76,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         "reference, then timed as bench does (cold state, whole flush cycles, CUDA graphs). Every trial is written to "
         "OUT/GPU/SPEC_SHAPE.json as it ends; `replaygen build --gpu GPU` bakes the winners in."))
     _add_spec(p)
-    p.add_argument("--batch", default="1,8,32,128,256,512", help="comma-separated batch sizes, the upper edges of the dispatch buckets (default: 1,8,32,128,256,512)")
+    p.add_argument("--batch", default=DEFAULT_BATCHES, help=f"comma-separated batch sizes, the upper edges of the dispatch buckets (default: {DEFAULT_BATCHES})")
     p.add_argument("--kernels", default=",".join(k.value for k in TUNABLE), help=f"comma-separated kernels to tune (default: {','.join(k.value for k in TUNABLE)})")
     p.add_argument("--trials", type=int, default=30, help="Optuna trials per shape, kernel and batch size (default: 30)")
     p.add_argument("--exhaustive", action="store_true", help="time every candidate of the space instead (for small spaces and for checking the search)")

@@ -50,8 +50,10 @@ FLUSH_PROGRAMS_PER_SM = 4
 # Value rows per cursor copy; block_v must be a multiple (each program owns whole copies).
 CURSOR_GRAIN = 8
 
-# Batch-size buckets a dispatch table distinguishes; the last one is open-ended.
-BATCH_BUCKETS: tuple[int, ...] = (1, 8, 32, 128, 256, 512)
+# Batch sizes `tune` and `bench` use by default: the upper edges of the dispatch buckets. Serving engines capture
+# one CUDA graph per padded batch size (1, 2, 4, 8, then steps of 8 or more), so the small sizes get buckets of
+# their own: a config tuned at 8 also runs batches 2-7 otherwise, and a winner at 8 can lose at 2 (docs/perf.md 20).
+BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 32, 128, 256, 512)
 
 
 @dataclass(frozen=True, kw_only=True)
