@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=3, help="batch rows (default: 3)")
     p.add_argument("--cycles", type=int, default=3, help="flush cycles per sequence (default: 3)")
     p.add_argument("--full", action="store_true", help="check the full shapes on the CPU too (slow under the interpreter)")
+    p.add_argument("--gpu", default=None, help=(
+        "check every config `build --gpu GPU` bakes from TUNE_DIR instead of the defaults: one module per bucket position "
+        "of the dispatch tables, each config run at --batch rows (needs a CUDA GPU; kernels without records keep their defaults)"))
+    p.add_argument("--tune-dir", default="tune", type=Path, help="tuning records folder for --gpu (default: tune)")
 
     p = sub.add_parser("show", help="buffer layout, bytes per step, memory per slot, speedup bound", description="Print what the spec derives for each shape: the replay-buffer layout, the traffic model and memory per slot.")
     _add_spec(p)
@@ -124,6 +128,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     import torch
 
     has_gpu = torch.cuda.is_available()
+    if args.gpu and not has_gpu:
+        raise ReplaygenError(f"check --gpu {args.gpu} needs a CUDA GPU (none found): tuned configs run at the full shapes, on the GPU they were tuned for")
     if not has_gpu:
         os.environ["TRITON_INTERPRET"] = "1"
     from replaygen.build import select_shapes
@@ -142,22 +148,47 @@ def cmd_check(args: argparse.Namespace) -> int:
         if not has_gpu and not args.full:
             run_shape = _reduced(shape)
         print(f"{spec.name}/{shape.name} on {device}" + ("" if run_shape == shape else f" (reduced for the interpreter: {_describe(run_shape)}; --full for the real shape)"))
-        module = load_kernels(spec, run_shape)
-        reports = [
-            check_decode(module, spec, run_shape, device=device, act_dtype=dtype, batch=args.batch, cycles=args.cycles, route=route)
-            for route in ("output_only", "state_and_output")
-        ]
-        steps = args.cycles * max(2, run_shape.capacity // run_shape.window)
-        reports += [
-            check_speculative(module, spec, run_shape, device=device, act_dtype=dtype, batch=args.batch, steps=steps, accept=accept)
-            for accept in ("random", "all")
-        ]
-        reports.append(check_speculative(module, spec, run_shape, device=device, act_dtype=dtype, batch=args.batch, steps=steps, mixed=True))
-        for report in reports:
-            print("\n".join(report.lines()))
-            failed += not report.ok
+        for label, configs in _check_variants(spec, shape, args):
+            if label:
+                print(f"  {label}")
+            module = load_kernels(spec, run_shape, configs)
+            reports = [
+                check_decode(module, spec, run_shape, device=device, act_dtype=dtype, batch=args.batch, cycles=args.cycles, route=route)
+                for route in ("output_only", "state_and_output")
+            ]
+            steps = args.cycles * max(2, run_shape.capacity // run_shape.window)
+            reports += [
+                check_speculative(module, spec, run_shape, device=device, act_dtype=dtype, batch=args.batch, steps=steps, accept=accept)
+                for accept in ("random", "all")
+            ]
+            reports.append(check_speculative(module, spec, run_shape, device=device, act_dtype=dtype, batch=args.batch, steps=steps, mixed=True))
+            for report in reports:
+                print("\n".join(report.lines()))
+                failed += not report.ok
     print("all checks passed" if not failed else f"{failed} check(s) FAILED")
     return 1 if failed else 0
+
+
+def _check_variants(spec, shape, args: argparse.Namespace) -> list[tuple[str, dict | None]]:
+    """What `check` runs for `shape`: the defaults, or with --gpu one config set per bucket position of the tables
+    `build --gpu` would bake (labelled with the batch sizes each tuned kernel's config serves)."""
+    if not args.gpu:
+        return [("", None)]
+    from replaygen.configs import bucket_range, bucket_variants
+    from replaygen.tune.apply import resolve_configs
+    from replaygen.tune.space import TUNABLE_KINDS
+
+    resolved = resolve_configs(spec, shape, args.gpu, args.tune_dir, allow_default=True)
+    for note in resolved.notes:
+        print(f"  {note}")
+    tables = resolved.configs
+    variants = []
+    for i, configs in enumerate(bucket_variants(tables)):
+        served = "; ".join(
+            f"{kind.value} {bucket_range(tables[kind], i)}" for kind in TUNABLE_KINDS if i < len(tables[kind])
+        )
+        variants.append((f"configs of {args.gpu} bucket {i + 1}: {served}", configs))
+    return variants
 
 
 def _reduced(shape):

@@ -105,6 +105,25 @@ def bucket_config(table: tuple[BucketConfig, ...], batch: int) -> KernelConfig:
     return next(b.config for b in table if b.max_batch is None or batch <= b.max_batch)
 
 
+def bucket_range(table: tuple[BucketConfig, ...], index: int) -> str:
+    """The batch sizes bucket `index` of a dispatch table runs, e.g. 'batch 5-8', 'batch > 256', 'every batch'."""
+    low = table[index - 1].max_batch + 1 if index else 1
+    high = table[index].max_batch
+    if high is None:
+        return "every batch" if low == 1 else f"batch > {low - 1}"
+    return f"batch {low}" if low == high else f"batch {low}-{high}"
+
+
+def bucket_variants(tables: dict[KernelKind, tuple[BucketConfig, ...]]) -> tuple[dict[KernelKind, tuple[BucketConfig, ...]], ...]:
+    """The dispatch tables split into single-bucket sets that run every config of every table at least once: set i
+    gives each kind its i-th bucket's config (a shorter table's last) for every batch size."""
+    depth = max(len(table) for table in tables.values())
+    return tuple(
+        {kind: (BucketConfig(None, table[min(i, len(table) - 1)].config),) for kind, table in tables.items()}
+        for i in range(depth)
+    )
+
+
 def validate_config(kind: KernelKind, shape: TargetShape, config: KernelConfig) -> None:
     """Reject configs no kernel can run, before anything is compiled."""
     if config.block_v < CURSOR_GRAIN or config.block_v & (config.block_v - 1):

@@ -2,9 +2,11 @@
 
 from pathlib import Path
 
+import pytest
+
 from replaygen.cli import main
 
-from conftest import ROOT
+from conftest import HAS_GPU, ROOT
 
 TINY = """\
 spec_version: 1
@@ -58,6 +60,13 @@ def test_check_runs_and_passes(capsys, tmp_path):
     assert main(["check", str(write_tiny(tmp_path)), "--cycles", "2", "--batch", "2"]) == 0
     out = capsys.readouterr().out
     assert "all checks passed" in out and "route=output_only" in out and "route=state_and_output" in out
+
+
+@pytest.mark.skipif(HAS_GPU, reason="the refusal happens only without CUDA")
+def test_check_of_tuned_configs_needs_a_gpu(capsys):
+    """Without CUDA, `check --gpu` refuses (tuned configs run at the full shapes) instead of checking defaults."""
+    assert main(["check", str(ROOT / "specs" / "mamba2.yaml"), "--gpu", "h100"]) == 2
+    assert "check --gpu h100 needs a CUDA GPU" in capsys.readouterr().err
 
 
 def test_bad_spec_exits_nonzero_with_location(capsys, tmp_path):

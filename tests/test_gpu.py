@@ -121,3 +121,12 @@ def test_overlapped_decode_and_verify_match_the_reference(spec_name, shape_name)
     module = load_kernels(spec, shape, {KernelKind.REPLAY_VERIFY: (BucketConfig(None, OVERLAPPED),), KernelKind.REPLAY_DECODE: (BucketConfig(None, decode),)})
     report = check_speculative(module, spec, shape, device="cuda", act_dtype=torch.bfloat16, mixed=True, steps=16, seed=4)
     assert report.ok, "\n".join(report.lines())
+
+
+def test_check_runs_every_tuned_config(capsys):
+    """`replaygen check --gpu h100` checks each config the build bakes (one module per bucket position)."""
+    from replaygen.cli import main
+
+    assert main(["check", str(ROOT / "specs" / "mamba2.yaml"), "--shape", "nemotron-h-tp8", "--gpu", "h100", "--tune-dir", str(ROOT / "tune"), "--cycles", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "configs of h100 bucket 1:" in out and "configs of h100 bucket 2:" in out and "all checks passed" in out

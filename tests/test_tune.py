@@ -17,7 +17,7 @@ import triton
 from replaygen import __version__, measure
 from replaygen.build import build_spec
 from replaygen.cli import main
-from replaygen.configs import KernelConfig, KernelKind, Route
+from replaygen.configs import KernelConfig, KernelKind, Route, bucket_range, bucket_variants
 from replaygen.errors import TuningRecordError, UnsupportedShapeError
 from replaygen.measure import Timing
 from replaygen.runtime import load_kernels
@@ -335,6 +335,18 @@ def test_dispatch_table_buckets_and_merges():
         rec.BucketConfig(1, a), rec.BucketConfig(32, b), rec.BucketConfig(None, a)
     )
     assert dispatch_table({8: a}) == (rec.BucketConfig(None, a),)
+
+
+def test_bucket_variants_run_every_config_once():
+    """`check --gpu` splits the dispatch tables into single-bucket sets: set i runs each kind's i-th bucket (a
+    shorter table's last), so every baked config is checked; bucket_range names the batch sizes each serves."""
+    a, b, c = KernelConfig(block_v=8), KernelConfig(block_v=16), KernelConfig(block_v=32)
+    tables = {RD: (rec.BucketConfig(1, a), rec.BucketConfig(8, b), rec.BucketConfig(None, c)), BD: (rec.BucketConfig(None, b),)}
+    variants = bucket_variants(tables)
+    assert [(v[RD][0].config, v[BD][0].config) for v in variants] == [(a, b), (b, b), (c, b)]
+    assert all(v[kind][0].max_batch is None for v in variants for kind in v)
+    assert [bucket_range(tables[RD], i) for i in range(3)] == ["batch 1", "batch 2-8", "batch > 8"]
+    assert bucket_range(tables[BD], 0) == "every batch"
 
 
 def test_build_without_records_stops_unless_allowed(mamba2, tmp_path, capsys):
