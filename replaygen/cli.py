@@ -1,4 +1,4 @@
-"""Command line: build, check, show, list."""
+"""Command line: build, check, compile, show, list, bench, plot, tune."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 from replaygen import __version__
 from replaygen.configs import BATCH_BUCKETS, KernelKind
 from replaygen.errors import ReplaygenError
+from replaygen.offline import ARCHITECTURES
 from replaygen.tune.space import TUNABLE_KINDS as TUNABLE
 
 DEFAULT_BATCHES = ",".join(map(str, BATCH_BUCKETS))
@@ -50,6 +51,19 @@ def build_parser() -> argparse.ArgumentParser:
         "check every config `build --gpu GPU` bakes from TUNE_DIR instead of the defaults: one module per bucket position "
         "of the dispatch tables, each config run at --batch rows (needs a CUDA GPU; kernels without records keep their defaults)"))
     p.add_argument("--tune-dir", default="tune", type=Path, help="tuning records folder for --gpu (default: tune)")
+
+    p = sub.add_parser("compile", help="compile every kernel for a GPU architecture, without that GPU", description=(
+        "Compile every kernel a shape's module launches for a GPU architecture on this machine (no GPU needed): the "
+        "module's own calls at one batch size per dispatch bucket, and the calls that switch the kernels' optional paths "
+        "(the other replay route, the gate, directly given decay and weight). Reports registers, local memory (spills) "
+        "and shared memory per kernel; fails on a compile error or a kernel beyond the architecture's shared memory "
+        "or threads per block."))
+    _add_spec(p)
+    p.add_argument("--arch", default=None, help=(
+        f"architecture ({', '.join(ARCHITECTURES)}; default: the compute capability the --gpu records were tuned on, else sm_90)"))
+    p.add_argument("--gpu", default=None, help="compile the configs `build --gpu GPU` bakes from TUNE_DIR (default: the documented defaults)")
+    p.add_argument("--tune-dir", default="tune", type=Path, help="tuning records folder for --gpu (default: tune)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation dtype (default: bf16)")
 
     p = sub.add_parser("show", help="buffer layout, bytes per step, memory per slot, speedup bound", description="Print what the spec derives for each shape: the replay-buffer layout, the traffic model and memory per slot.")
     _add_spec(p)
@@ -189,6 +203,47 @@ def _check_variants(spec, shape, args: argparse.Namespace) -> list[tuple[str, di
         )
         variants.append((f"configs of {args.gpu} bucket {i + 1}: {served}", configs))
     return variants
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from replaygen.build import select_shapes
+    from replaygen.configs import module_defaults
+    from replaygen.offline import architecture, compile_job, compile_modules
+    from replaygen.spec import load_spec
+    from replaygen.tune.apply import resolve_configs
+
+    spec = load_spec(args.spec)
+    headers, jobs = [], []
+    for shape in select_shapes(spec, args.shape):
+        source, notes, arch = "the documented defaults", (), architecture(args.arch or "sm_90")
+        tables = module_defaults(spec, shape)
+        if args.gpu:
+            resolved = resolve_configs(spec, shape, args.gpu, args.tune_dir, allow_default=True)
+            source, notes, tables = f"the configs of {args.gpu} ({resolved.source})", resolved.notes, resolved.configs
+            if args.arch is None:
+                arch = _records_architecture(spec, shape, args.gpu, args.tune_dir) or arch
+        headers.append([f"{spec.name}/{shape.name} for {arch.name}, {args.dtype} activations, {source}", *(f"  {note}" for note in notes)])
+        jobs.append(compile_job(spec, shape, tables, arch, DTYPES[args.dtype]))
+    reports = compile_modules(jobs)
+    for header, report in zip(headers, reports):
+        print("\n".join(header + report.lines()))
+    failed = sum(not report.ok for report in reports)
+    print("every kernel compiled" if not failed else f"{failed} shape(s) with FAILED calls")
+    return 1 if failed else 0
+
+
+def _records_architecture(spec, shape, gpu: str, tune_dir: Path):
+    """The architecture of the compute capability `gpu`'s records of `shape` were tuned on (None without records)."""
+    from replaygen.offline import architecture
+    from replaygen.tune.records import read_records, record_path
+
+    path = record_path(tune_dir, gpu, spec, shape)
+    if not path.exists():
+        return None
+    found = {t.environment.compute_capability for t in read_records(path).trials}
+    if len(found) > 1:
+        raise ReplaygenError(f"{path}: trials of several compute capabilities ({', '.join(sorted(found))}): pass --arch")
+    return architecture(found.pop()) if found else None
 
 
 def _reduced(shape):
@@ -358,7 +413,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"bench": cmd_bench, "build": cmd_build, "check": cmd_check, "show": cmd_show, "list": cmd_list, "plot": cmd_plot, "tune": cmd_tune}
+COMMANDS = {"bench": cmd_bench, "build": cmd_build, "check": cmd_check, "compile": cmd_compile, "show": cmd_show, "list": cmd_list, "plot": cmd_plot, "tune": cmd_tune}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -25,3 +25,10 @@ class UnsupportedShapeError(ReplaygenError):
 
 class TuningRecordError(ReplaygenError):
     """A tuning record is missing, corrupt or does not match the kernel/environment."""
+
+
+def one_line(exc: BaseException, limit: int = 400) -> str:
+    """`Type: message` of an exception on one line, cut to `limit` characters (compile errors run to pages)."""
+    text = " ".join(str(exc).split())
+    text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 from replaygen.configs import KernelKind
-from replaygen.errors import ReplaygenError
+from replaygen.errors import ReplaygenError, one_line
 from replaygen.runtime import import_source
 from replaygen.spec.model import Spec, TargetShape
 from replaygen.traffic import verify_flush_period
@@ -85,20 +85,13 @@ class Evaluator:
             return Outcome(status=TrialStatus.OK, timing=self.timer(module, candidate, batch))
         except Exception as exc:  # a candidate may fail in any way; it is recorded, never fatal by itself
             status = TrialStatus.OUT_OF_RESOURCES if _out_of_resources(exc) else TrialStatus.FAILED
-            message = _summary(exc)
+            message = one_line(exc)
             log.info("%s %s failed: %s", candidate.kind.value, candidate.config, message)
             try:
                 self.health()
             except Exception as lost:
-                return Outcome(status=TrialStatus.CRASHED, timing=None, error=f"{message}; then the device was unusable: {_summary(lost)}")
+                return Outcome(status=TrialStatus.CRASHED, timing=None, error=f"{message}; then the device was unusable: {one_line(lost)}")
             return Outcome(status=status, timing=None, error=message)
-
-
-def _summary(exc: BaseException, limit: int = 400) -> str:
-    """`Type: message` on one line, cut to `limit` characters (compile errors run to pages)."""
-    text = " ".join(str(exc).split())
-    text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _out_of_resources(exc: BaseException) -> bool:

@@ -1,0 +1,152 @@
+"""Offline compilation: every kernel a module launches, compiled for a GPU architecture with no GPU at hand."""
+
+from dataclasses import replace
+
+import pytest
+
+from replaygen import codegen
+from replaygen.cli import main
+from replaygen.configs import KernelKind, module_defaults
+from replaygen.errors import ReplaygenError
+from replaygen.offline import Architecture, architecture, bucket_batches, compile_job, compile_modules
+from replaygen.spec import load_spec, load_spec_text
+from replaygen.tune.apply import resolve_configs
+
+from conftest import ODD, ROOT, SMALL
+
+SM90 = architecture("sm_90")
+API = {
+    KernelKind.BASELINE_DECODE: "baseline_decode",
+    KernelKind.REPLAY_DECODE: "decode",
+    KernelKind.MATERIALIZE: "materialize",
+    KernelKind.LOAD: "load",
+    KernelKind.REPLAY_VERIFY: "verify",
+    KernelKind.COMMIT: "commit",
+    KernelKind.BASELINE_VERIFY: "baseline_verify+commit",
+}
+EVERY_KERNEL = {
+    "_baseline_decode_kernel", "_replay_decode_kernel", "_materialize_kernel", "_load_kernel", "_replay_verify_kernel",
+    "_commit_kernel", "_baseline_verify_kernel", "_baseline_commit_kernel",
+}
+
+
+def assert_compiled(report):
+    assert report.ok, "\n".join(report.lines())
+    assert {k.kernel for k in report.kernels} >= EVERY_KERNEL
+    assert all(k.registers > 0 and k.launched_by for k in report.kernels)
+
+
+SPECS = {name: load_spec(ROOT / "specs" / f"{name}.yaml") for name in ("mamba2", "gdn")}
+SHIPPED = [(name, shape.name) for name, spec in SPECS.items() for shape in spec.shapes]
+
+
+def h100_tables(spec, shape):
+    return resolve_configs(spec, shape, "h100", ROOT / "tune", allow_default=True).configs
+
+
+@pytest.fixture(scope="module")
+def shipped_reports():
+    """Every shipped module as `build --gpu h100` writes it, compiled for sm_90 (all in one call: worker processes)."""
+    jobs = []
+    for name, shape_name in SHIPPED:
+        spec = SPECS[name]
+        shape = spec.shape(shape_name)
+        jobs.append(compile_job(spec, shape, h100_tables(spec, shape), SM90, "bfloat16"))
+    return dict(zip(SHIPPED, compile_modules(jobs)))
+
+
+@pytest.mark.parametrize("name, shape_name", SHIPPED)
+def test_every_shipped_module_compiles_for_the_h100(shipped_reports, name, shape_name):
+    """Every bucket of every dispatch table launched, every kernel compiled for sm_90 within its shared memory and
+    threads per block."""
+    report = shipped_reports[(name, shape_name)]
+    assert_compiled(report)
+    spec = SPECS[name]
+    launched = {call for k in report.kernels for call in k.launched_by}
+    for kind, table in h100_tables(spec, spec.shape(shape_name)).items():
+        for batch in bucket_batches(table):
+            assert f"{API[kind]} b{batch}" in launched, f"{API[kind]} b{batch} launched nothing"
+
+
+GDN_TEXT = (ROOT / "specs" / "gdn.yaml").read_text()
+MAMBA2_TEXT = (ROOT / "specs" / "mamba2.yaml").read_text()
+VARIANTS = {
+    "mamba2-key_value": (MAMBA2_TEXT.replace("layout: value_key", "layout: key_value"), SMALL),
+    "gdn": (GDN_TEXT, replace(SMALL, capacity=8, window=2)),
+    "gdn-key_value": (GDN_TEXT.replace("layout: value_key", "layout: key_value"), replace(SMALL, capacity=8, window=4)),
+    "kda-channel_decay": (GDN_TEXT.replace("granularity: head", "granularity: channel"), replace(SMALL, capacity=8, window=2)),
+    "mamba2-odd": (MAMBA2_TEXT, ODD),
+    "gdn-odd": (GDN_TEXT, ODD),
+}
+
+
+VARIANT_CASES = [(variant, arch, dtype) for variant in sorted(VARIANTS) for arch in ("sm_90", "sm_80") for dtype in ("bfloat16", "float32")]
+
+
+@pytest.fixture(scope="module")
+def variant_reports():
+    jobs = []
+    for variant, arch, dtype in VARIANT_CASES:
+        text, shape = VARIANTS[variant]
+        spec = load_spec_text(text, f"{variant}.yaml")
+        jobs.append(compile_job(spec, shape, module_defaults(spec, shape), architecture(arch), dtype))
+    return dict(zip(VARIANT_CASES, compile_modules(jobs)))
+
+
+@pytest.mark.parametrize("case", VARIANT_CASES, ids=lambda case: "-".join(case))
+def test_spec_variants_compile(variant_reports, case):
+    """What the interpreter runs in the CPU suite also compiles for the GPU: state layouts, per-channel decay, sizes
+    that are not powers of two; sm_80 without the programmatic dependent launch."""
+    assert_compiled(variant_reports[case])
+
+
+def compile_one(spec, shape, arch=SM90):
+    (report,) = compile_modules([compile_job(spec, shape, module_defaults(spec, shape), arch, "bfloat16")])
+    return report
+
+
+def test_shared_memory_beyond_the_architecture_fails_the_call(mamba2):
+    report = compile_one(mamba2, SMALL, Architecture("sm_90", 90, max_shared_bytes=64))
+    assert not report.ok
+    assert any("shared memory" in f.error for f in report.failures)
+    assert all(k.shared_bytes <= 64 for k in report.kernels)
+    assert any(line.startswith("  FAILED ") for line in report.lines())
+
+
+def test_a_compile_error_names_the_call_and_the_rest_still_compiles(mamba2, monkeypatch):
+    """A kernel the compiler rejects (here the commit kernel, by an injected static assertion) fails its calls only."""
+    render = codegen.render_module
+    commit_body = "    BLOCK_H: tl.constexpr,\n):\n"
+
+    def broken(plan):
+        source = render(plan)
+        assert source.count(commit_body) == 1
+        return source.replace(commit_body, commit_body + '    tl.static_assert(BLOCK_V < 0, "injected")\n')
+
+    monkeypatch.setattr(codegen, "render_module", broken)
+    report = compile_one(mamba2, SMALL)
+    assert [f.call for f in report.failures] == ["commit b1"]
+    assert "injected" in report.failures[0].error
+    assert "_replay_verify_kernel" in {k.kernel for k in report.kernels}
+
+
+def test_architecture_names():
+    assert architecture("sm_90") is architecture("sm90") is architecture("9.0") is SM90
+    assert architecture("8.0").max_shared_bytes < SM90.max_shared_bytes
+    assert not architecture("sm_80").dependent_launch and SM90.dependent_launch
+    with pytest.raises(ReplaygenError, match="unknown architecture 'sm_42'.*sm_90"):
+        architecture("sm_42")
+
+
+def test_threads_per_block_follow_the_registers():
+    assert SM90.threads_for(255) == 256
+    assert SM90.threads_for(128) == 512
+    assert SM90.threads_for(32) == 1024
+
+
+def test_compile_command(capsys):
+    assert main(["compile", str(ROOT / "specs" / "mamba2.yaml"), "--shape", "nemotron-h-tp8", "--gpu", "h100", "--tune-dir", str(ROOT / "tune")]) == 0
+    out = capsys.readouterr().out
+    assert "mamba2/nemotron-h-tp8 for sm_90" in out and "configs of h100" in out and "every kernel compiled" in out
+    assert main(["compile", str(ROOT / "specs" / "mamba2.yaml"), "--arch", "sm_42"]) == 2
+    assert "unknown architecture 'sm_42'" in capsys.readouterr().err
