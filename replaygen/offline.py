@@ -159,12 +159,12 @@ def compile_modules(jobs: list[CompileJob], workers: int | None = None) -> tuple
             jobs_path, out_path = Path(folder, f"jobs{index}.pickle"), Path(folder, f"reports{index}.pickle")
             jobs_path.write_bytes(pickle.dumps(share))
             command = [sys.executable, "-c", "import sys; from replaygen.offline import work; work(sys.argv[1], sys.argv[2])", str(jobs_path), str(out_path)]
-            running.append((share, out_path, subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+            running.append((out_path, subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
         reports: dict[int, CompileReport] = {}
-        for index, (share, out_path, process) in enumerate(running):
+        for index, (out_path, process) in enumerate(running):
             output, _ = process.communicate()
             if process.returncode != 0 or not out_path.exists():
-                raise ReplaygenError(f"offline compile worker exited with {process.returncode}: {output[-2000:]}")
+                raise ReplaygenError(f"offline compile worker exited with {process.returncode}: {output.strip()[-2000:]}")
             for position, report in enumerate(pickle.loads(out_path.read_bytes())):
                 reports[index + position * workers] = report
     return tuple(reports[i] for i in range(len(jobs)))
@@ -173,7 +173,11 @@ def compile_modules(jobs: list[CompileJob], workers: int | None = None) -> tuple
 def work(jobs_path: str, out_path: str) -> None:
     """Worker process: compile the pickled jobs at `jobs_path`, pickle their reports to `out_path`."""
     jobs = pickle.loads(Path(jobs_path).read_bytes())
-    Path(out_path).write_bytes(pickle.dumps(tuple(_compile(job) for job in jobs)))
+    try:
+        reports = tuple(_compile(job) for job in jobs)
+    except ReplaygenError as exc:
+        sys.exit(str(exc))
+    Path(out_path).write_bytes(pickle.dumps(reports))
 
 
 @dataclass(frozen=True)

@@ -130,6 +130,12 @@ def test_a_compile_error_names_the_call_and_the_rest_still_compiles(mamba2, monk
     assert "_replay_verify_kernel" in {k.kernel for k in report.kernels}
 
 
+def test_a_module_without_the_expected_launch_code_stops_the_worker(mamba2):
+    job = compile_job(mamba2, SMALL, module_defaults(mamba2, SMALL), SM90, "bfloat16")
+    with pytest.raises(ReplaygenError, match="worker exited with 1.*has no _overlap_scores"):
+        compile_modules([replace(job, source="import torch\n")])
+
+
 def test_architecture_names():
     assert architecture("sm_90") is architecture("sm90") is architecture("9.0") is SM90
     assert architecture("8.0").max_shared_bytes < SM90.max_shared_bytes
