@@ -94,15 +94,23 @@ class CompileJob:
     source: str
     arch: Architecture
     act_dtype: str  # torch dtype name, e.g. "bfloat16"
+    kinds: tuple[KernelKind, ...] = tuple(KernelKind)  # the kernel kinds whose calls run
 
 
-def compile_job(spec: Spec, shape: TargetShape, tables: dict[KernelKind, tuple[BucketConfig, ...]], arch: Architecture, act_dtype: str) -> CompileJob:
-    """The job of compiling the module of `shape` with dispatch `tables` for `arch`."""
+def compile_job(
+    spec: Spec,
+    shape: TargetShape,
+    tables: dict[KernelKind, tuple[BucketConfig, ...]],
+    arch: Architecture,
+    act_dtype: str,
+    kinds: tuple[KernelKind, ...] = tuple(KernelKind),
+) -> CompileJob:
+    """The job of compiling the module of `shape` with dispatch `tables` for `arch` (the calls of `kinds`)."""
     from replaygen.codegen import render_module
     from replaygen.plan import plan_module
 
     plan = plan_module(spec, shape, arch.name, tables, f"compiled offline for {arch.name}")
-    return CompileJob(plan, render_module(plan), arch, act_dtype)
+    return CompileJob(plan, render_module(plan), arch, act_dtype, kinds)
 
 
 @dataclass(frozen=True)
@@ -146,28 +154,55 @@ class CompileReport:
         return rows
 
 
-def compile_modules(jobs: list[CompileJob], workers: int | None = None) -> tuple[CompileReport, ...]:
-    """Compile every job in worker processes (default: one per CPU, at most one per job); reports in job order."""
-    if not jobs:
-        return ()
-    workers = max(1, min(len(jobs), workers or os.cpu_count() or 1))
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    with tempfile.TemporaryDirectory(prefix="replaygen-compile-") as folder:
-        running = []
-        for index in range(workers):
-            share = jobs[index::workers]
-            jobs_path, out_path = Path(folder, f"jobs{index}.pickle"), Path(folder, f"reports{index}.pickle")
-            jobs_path.write_bytes(pickle.dumps(share))
+class CompileRun:
+    """Jobs compiled in worker processes started at once (default: one per CPU, at most one per job): wait for their
+    reports, or cancel them. Triton keeps every cubin in its on-disk cache, so a later compile of the same kernel in
+    any process on this machine is a cache hit."""
+
+    def __init__(self, jobs: list[CompileJob], workers: int | None = None):
+        self._count = len(jobs)
+        self._workers = max(1, min(len(jobs), workers or os.cpu_count() or 1))
+        self._folder = tempfile.TemporaryDirectory(prefix="replaygen-compile-")
+        env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+        self._running: list[tuple[Path, subprocess.Popen]] = []
+        for index in range(self._workers if jobs else 0):
+            jobs_path, out_path = Path(self._folder.name, f"jobs{index}.pickle"), Path(self._folder.name, f"reports{index}.pickle")
+            jobs_path.write_bytes(pickle.dumps(jobs[index :: self._workers]))
             command = [sys.executable, "-c", "import sys; from replaygen.offline import work; work(sys.argv[1], sys.argv[2])", str(jobs_path), str(out_path)]
-            running.append((out_path, subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+            process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            self._running.append((out_path, process))
+
+    def reports(self) -> tuple[CompileReport, ...]:
+        """Wait for the workers; the reports in job order (ReplaygenError where a worker failed)."""
         reports: dict[int, CompileReport] = {}
-        for index, (out_path, process) in enumerate(running):
-            output, _ = process.communicate()
-            if process.returncode != 0 or not out_path.exists():
-                raise ReplaygenError(f"offline compile worker exited with {process.returncode}: {output.strip()[-2000:]}")
-            for position, report in enumerate(pickle.loads(out_path.read_bytes())):
-                reports[index + position * workers] = report
-    return tuple(reports[i] for i in range(len(jobs)))
+        try:
+            for index, (out_path, process) in enumerate(self._running):
+                output, _ = process.communicate()
+                if process.returncode != 0 or not out_path.exists():
+                    raise ReplaygenError(f"offline compile worker exited with {process.returncode}: {output.strip()[-2000:]}")
+                for position, report in enumerate(pickle.loads(out_path.read_bytes())):
+                    reports[index + position * self._workers] = report
+        finally:
+            self.cancel()
+        return tuple(reports[i] for i in range(self._count))
+
+    def cancel(self) -> None:
+        """Stop the workers that still run and remove their files."""
+        for _, process in self._running:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+            process.stdout.close()
+        self._folder.cleanup()
+
+    @property
+    def running(self) -> bool:
+        return any(process.poll() is None for _, process in self._running)
+
+
+def compile_modules(jobs: list[CompileJob], workers: int | None = None) -> tuple[CompileReport, ...]:
+    """Compile every job in worker processes (see CompileRun); the reports in job order."""
+    return CompileRun(jobs, workers).reports()
 
 
 def work(jobs_path: str, out_path: str) -> None:
@@ -298,7 +333,7 @@ def _compile(job: CompileJob) -> CompileReport:
         raise ReplaygenError(f"{plan.module_name} has no _overlap_scores: offline compilation does not know this module's launch code")
     module._overlap_scores = lambda config, device: bool(config["overlap_scores"]) and arch.dependent_launch
     failures = []
-    for label, call in _calls(module, plan, getattr(torch, job.act_dtype)):
+    for label, call in _calls(module, plan, getattr(torch, job.act_dtype), job.kinds):
         recorder.call = label
         try:
             call()
@@ -319,8 +354,9 @@ def _compile(job: CompileJob) -> CompileReport:
     return CompileReport(module=f"{plan.spec.name}/{plan.shape.name}", arch=arch, kernels=kernels, failures=tuple(failures))
 
 
-def _calls(module: ModuleType, plan: ModulePlan, act_dtype: torch.dtype) -> Iterator[tuple[str, Callable[[], object]]]:
-    """(label, call) of the module's API: per kind, the baked call at each bucket, then the option variants once."""
+def _calls(module: ModuleType, plan: ModulePlan, act_dtype: torch.dtype, kinds: tuple[KernelKind, ...]) -> Iterator[tuple[str, Callable[[], object]]]:
+    """(label, call) of the module's API for `kinds`: per kind, the baked call at each bucket, then the option
+    variants once."""
     import torch
 
     from replaygen.harness import InputFactory
@@ -359,7 +395,8 @@ def _calls(module: ModuleType, plan: ModulePlan, act_dtype: torch.dtype) -> Iter
         KernelKind.COMMIT: ("commit", lambda b: module.commit(state, slots(b), accepted(b))),
         KernelKind.BASELINE_VERIFY: ("baseline_verify+commit", lambda b, **kw: (module.baseline_verify(snapshots, current, slots(b), **window(b, **kw)), module.baseline_commit(current, slots(b), accepted(b)))),
     }
-    for kind, (name, call) in calls.items():
+    for kind in kinds:
+        name, call = calls[kind]
         batches = bucket_batches(tables[kind])
         for batch in batches:
             yield f"{name} b{batch}", lambda call=call, batch=batch: call(batch)

@@ -8,7 +8,7 @@ from replaygen import codegen
 from replaygen.cli import main
 from replaygen.configs import KernelKind, module_defaults
 from replaygen.errors import ReplaygenError
-from replaygen.offline import Architecture, architecture, bucket_batches, compile_job, compile_modules
+from replaygen.offline import Architecture, CompileRun, architecture, bucket_batches, compile_job, compile_modules
 from replaygen.spec import load_spec, load_spec_text
 from replaygen.tune.apply import resolve_configs
 
@@ -134,6 +134,32 @@ def test_a_module_without_the_expected_launch_code_stops_the_worker(mamba2):
     job = compile_job(mamba2, SMALL, module_defaults(mamba2, SMALL), SM90, "bfloat16")
     with pytest.raises(ReplaygenError, match="worker exited with 1.*has no _overlap_scores"):
         compile_modules([replace(job, source="import torch\n")])
+
+
+def test_a_job_runs_the_calls_of_its_kinds_only(mamba2):
+    job = compile_job(mamba2, SMALL, module_defaults(mamba2, SMALL), SM90, "bfloat16", kinds=(KernelKind.REPLAY_VERIFY,))
+    (report,) = compile_modules([job])
+    assert report.ok and {k.kernel for k in report.kernels} == {"_scores_kernel", "_replay_verify_kernel"}
+    assert {call.split()[0] for k in report.kernels for call in k.launched_by} == {"verify"}
+
+
+def test_a_second_process_finds_the_kernels_compiled(mamba2, tmp_path, monkeypatch):
+    """What a worker compiled is in Triton's on-disk cache for any later process (how tune.warm.CacheWarmer helps)."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    job = compile_job(mamba2, SMALL, module_defaults(mamba2, SMALL), SM90, "bfloat16", kinds=(KernelKind.REPLAY_DECODE,))
+    compile_modules([job])
+    cached = sorted(p.name for p in (tmp_path / "triton").rglob("*.cubin"))
+    assert cached
+    compile_modules([job])
+    assert sorted(p.name for p in (tmp_path / "triton").rglob("*.cubin")) == cached
+
+
+def test_a_cancelled_run_stops_its_workers(mamba2):
+    jobs = [compile_job(mamba2, shape, module_defaults(mamba2, shape), SM90, "bfloat16") for shape in (SMALL, ODD)]
+    run = CompileRun(jobs, workers=2)
+    assert run.running
+    run.cancel()
+    assert not run.running
 
 
 def test_architecture_names():

@@ -499,7 +499,7 @@ class FakeGPU:
         return Evaluator(checker=self.checker, timer=self.timer, loader=lambda candidate: types.SimpleNamespace(), health=self.health)
 
 
-def run(mamba2, tmp_path, kinds, batches, *, trials=12, mode=Mode.OPTUNA, fixed=(), fake=None, seed=0, storage=None):
+def run(mamba2, tmp_path, kinds, batches, *, trials=12, mode=Mode.OPTUNA, fixed=(), fake=None, seed=0, storage=None, warm=None):
     shape = mamba2.shape("nemotron-h")
     fake = fake or FakeGPU()
     store = RecordStore(record_path(tmp_path, "h100", mamba2, shape), spec="mamba2", shape=shape.name, gpu="h100")
@@ -511,6 +511,7 @@ def run(mamba2, tmp_path, kinds, batches, *, trials=12, mode=Mode.OPTUNA, fixed=
         environment=env(),
         settings=settings,
         progress=Progress(),
+        warm=warm,
     )
     return results, store, fake
 
@@ -587,6 +588,28 @@ def test_exhaustive_mode_and_optuna_on_an_enumerable_space(mamba2, tmp_path):
     assert opt.trials == 8 and opt.measured <= 8 and opt.best.value >= ex.best.value
     rows = summary_rows([ex, opt])
     assert [r.mode for r in rows] == ["exhaustive", "optuna"] and rows[0].trials == ex.trials
+
+
+def test_exhaustive_searches_tell_the_warmer_their_candidates_first(mamba2, tmp_path):
+    fake, told = FakeGPU(), []
+    warm = lambda task, configs: told.append((task.kind, task.batch, list(configs), len(fake.timed)))  # noqa: E731
+    results, _, _ = run(mamba2, tmp_path, (BD,), (8, 32), mode=Mode.EXHAUSTIVE, fixed=(("evict_state", "False"),), fake=fake, warm=warm)
+    space = derive_space(BD, mamba2.shape("nemotron-h"), 8).fix("evict_state", "False")
+    assert [(kind, batch) for kind, batch, _, _ in told] == [(BD, 8), (BD, 32)]
+    assert told[0][2] == list(space.candidates())
+    first, second = told[0][3], told[1][3]  # timings before each search was told
+    assert first == 0 and {b for _, b in fake.timed[:second]} == {8} and {b for _, b in fake.timed[second:]} == {32}
+    run(mamba2, tmp_path / "optuna", (BD,), (8,), trials=3, warm=warm)
+    assert len(told) == 2  # Optuna proposes one config at a time: nothing to compile ahead
+
+
+def test_the_cache_warmer_compiles_for_the_tuning_gpu(capsys):
+    from replaygen.tune.run import cache_warmer
+
+    warmer = cache_warmer("9.0", "bfloat16")
+    assert warmer.arch.name == "sm_90" and warmer.workers >= 1
+    assert cache_warmer("8.7", "bfloat16") is None
+    assert "candidates compile one at a time: unknown architecture '8.7'" in capsys.readouterr().err
 
 
 def test_a_rerun_reuses_recorded_outcomes_and_retries_failures(mamba2, tmp_path):

@@ -138,10 +138,16 @@ def spec_content_sha256(spec: Spec) -> str:
     return canonical_sha256(content)
 
 
-def render_candidate(spec: Spec, shape: TargetShape, kind: KernelKind, config: KernelConfig) -> Candidate:
-    """The module that runs `config` for `kind` (every bucket) and the defaults for every other kernel."""
+def candidate_tables(spec: Spec, shape: TargetShape, kind: KernelKind, config: KernelConfig) -> dict[KernelKind, tuple[BucketConfig, ...]]:
+    """The dispatch tables of a candidate: `config` for `kind` (every bucket), the defaults for every other kernel."""
     configs = module_defaults(spec, shape)
     configs[kind] = (BucketConfig(None, config),)
+    return configs
+
+
+def render_candidate(spec: Spec, shape: TargetShape, kind: KernelKind, config: KernelConfig) -> Candidate:
+    """The module that runs `config` for `kind` (every bucket) and the defaults for every other kernel."""
+    configs = candidate_tables(spec, shape, kind, config)
     source = render_module(plan_module(spec, shape, CANDIDATE_GPU, configs, CANDIDATE_SOURCE))
     key = KernelKey(
         kind=kind,

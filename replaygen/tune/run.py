@@ -9,11 +9,13 @@ from pathlib import Path
 from replaygen.build import GPU_NAME
 from replaygen.configs import KernelKind
 from replaygen.errors import ReplaygenError
+from replaygen.offline import architecture
 from replaygen.spec.model import Spec, TargetShape
 from replaygen.tune.objective import gpu_evaluator
 from replaygen.tune.records import RecordStore, current_environment, record_path
 from replaygen.tune.report import LineProgress, format_summary, summary_rows
 from replaygen.tune.study import JOURNAL_NAME, Mode, SearchResult, TuneSettings, plan_tasks, tune
+from replaygen.tune.warm import CacheWarmer
 
 # A GPU model in a device name: "NVIDIA H100 80GB HBM3" -> h100, "NVIDIA A100-SXM4-80GB" -> a100.
 GPU_MODEL = re.compile(r"\b([A-Z]{1,2}\d{2,4}[A-Z]?)\b")
@@ -25,6 +27,15 @@ def gpu_name_of(device_name: str) -> str:
     if match is None:
         raise ReplaygenError(f"cannot name the GPU '{device_name}' for its records folder: pass --gpu NAME")
     return match.group(1).lower()
+
+
+def cache_warmer(compute_capability: str, dtype_name: str) -> CacheWarmer | None:
+    """A warmer compiling for the tuning GPU's architecture, or None (said so) where offline compilation has none."""
+    try:
+        return CacheWarmer(architecture(compute_capability), dtype_name)
+    except ReplaygenError as exc:
+        print(f"candidates compile one at a time: {exc}", file=sys.stderr)
+        return None
 
 
 def run_tune(
@@ -67,15 +78,21 @@ def run_tune(
         f"{dtype_name}: {len(tasks)} searches, {'exhaustive' if exhaustive else f'{trials} Optuna trials each'}",
         flush=True,
     )
-    results = tune(
-        tasks,
-        evaluator_for=lambda shape: gpu_evaluator(spec, shape, device, act_dtype, kinds),
-        store_for=lambda shape: stores[shape.name],
-        environment=environment,
-        settings=settings,
-        progress=LineProgress(sys.stderr, None if exhaustive else trials),
-        timeout_s=timeout_s,
-    )
+    warmer = cache_warmer(environment.compute_capability, dtype_name) if exhaustive else None
+    try:
+        results = tune(
+            tasks,
+            evaluator_for=lambda shape: gpu_evaluator(spec, shape, device, act_dtype, kinds),
+            store_for=lambda shape: stores[shape.name],
+            environment=environment,
+            settings=settings,
+            progress=LineProgress(sys.stderr, None if exhaustive else trials),
+            timeout_s=timeout_s,
+            warm=warmer,
+        )
+    finally:
+        if warmer is not None:
+            warmer.close()
     print(format_summary(summary_rows(results)))
     for store in stores.values():
         print(f"records: {store.path} ({len(store.trials)} trials)")

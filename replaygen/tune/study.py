@@ -176,9 +176,12 @@ class Tuner:
         settings: TuneSettings,
         progress: Progress,
         storage: optuna.storages.BaseStorage | None = None,
+        warm: Callable[[SearchTask, list[KernelConfig]], None] | None = None,
     ):
-        """`storage`: the Optuna storage (see make_storage; None: in memory); unused in exhaustive mode."""
+        """`storage`: the Optuna storage (see make_storage; None: in memory); unused in exhaustive mode. `warm` is told
+        an exhaustive search's candidates before they are measured (tune.warm.CacheWarmer compiles them ahead)."""
         self.shape = shape
+        self.warm = warm
         self.evaluator = evaluator
         self.store = store
         self.environment = environment
@@ -262,6 +265,8 @@ class Tuner:
         results: dict[KernelConfig, TrialRecord] = {}
         measured = 0
         candidates = task.space.candidates()
+        if self.warm is not None:
+            self.warm(task, candidates)
         for config in candidates:
             if deadline is not None and results and time.monotonic() > deadline:
                 log.warning("%s: time is up after %d of %d candidates", task.label, len(results), len(candidates))
@@ -369,8 +374,9 @@ def tune(
     settings: TuneSettings,
     progress: Progress,
     timeout_s: float | None = None,
+    warm: Callable[[SearchTask, list[KernelConfig]], None] | None = None,
 ) -> list[SearchResult]:
-    """Run every task; with `timeout_s`, each search gets an equal share of the time left."""
+    """Run every task; with `timeout_s`, each search gets an equal share of the time left (`warm`: see Tuner)."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     storage = make_storage(settings) if settings.mode is Mode.OPTUNA else None
     end = None if timeout_s is None else time.monotonic() + timeout_s
@@ -380,7 +386,14 @@ def tune(
         if tuner is None or tuner.shape != task.shape:
             tuner = None  # its evaluator's workloads go before the next shape's are allocated
             tuner = Tuner(
-                shape=task.shape, evaluator=evaluator_for(task.shape), store=store_for(task.shape), environment=environment, settings=settings, progress=progress, storage=storage
+                shape=task.shape,
+                evaluator=evaluator_for(task.shape),
+                store=store_for(task.shape),
+                environment=environment,
+                settings=settings,
+                progress=progress,
+                storage=storage,
+                warm=warm,
             )
         deadline = None if end is None else time.monotonic() + (end - time.monotonic()) / (len(tasks) - index)
         progress.search_started(index, len(tasks), task)
