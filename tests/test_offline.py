@@ -11,6 +11,7 @@ from replaygen.errors import ReplaygenError
 from replaygen.offline import Architecture, CompileRun, architecture, bucket_batches, compile_job, compile_modules
 from replaygen.spec import load_spec, load_spec_text
 from replaygen.tune.apply import resolve_configs
+from replaygen.tune.records import candidate_tables, render_candidate
 
 from conftest import ODD, ROOT, SMALL
 
@@ -143,15 +144,20 @@ def test_a_job_runs_the_calls_of_its_kinds_only(mamba2):
     assert {call.split()[0] for k in report.kernels for call in k.launched_by} == {"verify"}
 
 
-def test_a_second_process_finds_the_kernels_compiled(mamba2, tmp_path, monkeypatch):
-    """What a worker compiled is in Triton's on-disk cache for any later process (how tune.warm.CacheWarmer helps)."""
+def test_a_second_process_finds_the_candidates_kernels_compiled(mamba2, tmp_path, monkeypatch):
+    """What a warmer's worker compiled is in Triton's on-disk cache for the module the tuner renders for the same
+    candidate (another header, another file): the second process compiles nothing new."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
-    job = compile_job(mamba2, SMALL, module_defaults(mamba2, SMALL), SM90, "bfloat16", kinds=(KernelKind.REPLAY_DECODE,))
+    config = module_defaults(mamba2, SMALL)[KernelKind.REPLAY_DECODE][-1].config
+    tables = candidate_tables(mamba2, SMALL, KernelKind.REPLAY_DECODE, config)
+    job = compile_job(mamba2, SMALL, tables, SM90, "bfloat16", kinds=(KernelKind.REPLAY_DECODE,))
     compile_modules([job])
     cached = sorted(p.name for p in (tmp_path / "triton").rglob("*.cubin"))
     assert cached
-    compile_modules([job])
-    assert sorted(p.name for p in (tmp_path / "triton").rglob("*.cubin")) == cached
+    candidate = render_candidate(mamba2, SMALL, KernelKind.REPLAY_DECODE, config)
+    assert candidate.source != job.source
+    (report,) = compile_modules([replace(job, source=candidate.source)])
+    assert report.ok and sorted(p.name for p in (tmp_path / "triton").rglob("*.cubin")) == cached
 
 
 def test_a_cancelled_run_stops_its_workers(mamba2):
