@@ -535,17 +535,15 @@ def bench_verify(
     rows: list[VerifyRow] = []
     for tokens in windows:
         vshape = verify_shape(shape, spec, act, tokens)
-        tables = (tuned or {}).get(vshape.name)
+        tuned_tables = (tuned or {}).get(vshape.name)
+        tables = tuned_tables or module_defaults(spec, vshape)  # what a module keyed None runs
         modules = {}
-        if tables is not None:
-            modules[None] = load_kernels(spec, vshape, tables, config_source="tuning records")
-        elif not sweep:
-            tables = module_defaults(spec, vshape)
-            modules[None] = load_kernels(spec, vshape, tables)
-        else:
+        if tuned_tables is None and sweep:
             for config in (KernelConfig(block_v=bv, num_warps=w) for bv, w in ((8, 4), (16, 8))):
                 table = (BucketConfig(None, config),)
                 modules[config] = load_kernels(spec, vshape, {KernelKind.REPLAY_VERIFY: table, KernelKind.BASELINE_VERIFY: table})
+        else:
+            modules[None] = load_kernels(spec, vshape, tables, config_source="tuning records" if tuned_tables else "defaults")
         first = next(iter(modules.values()))
         report = check_speculative(first, spec, vshape, device=device, act_dtype=act_dtype, batch=3, steps=6, tokens=tokens)
         if not report.ok:

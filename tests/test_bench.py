@@ -82,6 +82,16 @@ def test_bench_rows_and_json(mamba2, tmp_path, fake_gpu):
     assert memory["max_sequences_decode"] == memory["budget_bytes"] // memory["decode_bytes_per_slot"]
 
 
+def test_sweep_reports_the_config_each_row_ran(mamba2, tmp_path, fake_gpu):
+    """--sweep: decode and verify rows name the grid config that won (the verify grid used to crash the bench)."""
+    shape = replace(SMALL, window=2, capacity=8)
+    result = bench.run(mamba2, (shape,), [2], torch.float32, tmp_path, sweep=True, windows=[2], device=CPU)
+    assert result["decode_configs"] == "sweep" and result["complete"] is True
+    decode_grid = {c.as_dict()["block_v"] for c in bench.sweep_configs(shape)}
+    assert {r["config"]["block_v"] for r in result["decode"]} <= decode_grid
+    assert {(r["config"]["block_v"], r["config"]["num_warps"]) for r in result["verify"]} <= {(8, 4), (16, 8)}
+
+
 def test_capacity_sweep(mamba2, monkeypatch, fake_gpu):
     """Rows per (L, batch), the window clamped to L/2, the traffic model at each L, baselines reused or timed."""
     shape = replace(SMALL, window=3, capacity=8)
