@@ -6,7 +6,7 @@ at one batch size per bucket of each dispatch table, the call a serving engine m
 once per kernel kind the calls that switch the kernels' optional paths (the other replay route, the gate, directly
 given decay and weight). Every kernel launch takes Triton's own path up to the launch: argument specialization,
 constexprs, launch options, compilation to a cubin for the target, its checks of shared memory and threads per
-block. The stand-in then records the launch (kernel, registers and local memory read from the cubin) instead of
+block. The stand-in then records the launch (kernel; registers, local memory and SASS read from the cubin) instead of
 running it. A kernel that the interpreter runs but the GPU compiler rejects, or that needs more shared memory than
 the GPU has, is found without the GPU.
 
@@ -123,6 +123,8 @@ class CompiledKernel:
     registers: int  # per thread
     local_bytes: int  # local memory per thread (register spills, stack)
     shared_bytes: int
+    instructions: int  # SASS instructions (static count)
+    shuffles: int  # SHFL among them
     launched_by: tuple[str, ...]  # "decode b32", ...
 
 
@@ -144,10 +146,11 @@ class CompileReport:
         return not self.failures
 
     def lines(self) -> list[str]:
-        rows = [f"  {'kernel':<24}{'warps':>6}{'stages':>7}{'regs':>6}{'local B':>8}{'smem B':>8}  launched by"]
+        rows = [f"  {'kernel':<24}{'warps':>6}{'stages':>7}{'regs':>6}{'local B':>8}{'smem B':>8}{'SASS':>7}{'SHFL':>6}  launched by"]
         for k in self.kernels:
             rows.append(
-                f"  {k.kernel:<24}{k.num_warps:>6}{k.num_stages:>7}{k.registers:>6}{k.local_bytes:>8}{k.shared_bytes:>8}  {', '.join(k.launched_by)}"
+                f"  {k.kernel:<24}{k.num_warps:>6}{k.num_stages:>7}{k.registers:>6}{k.local_bytes:>8}{k.shared_bytes:>8}"
+                f"{k.instructions:>7}{k.shuffles:>6}  {', '.join(k.launched_by)}"
             )
         rows += [f"  FAILED {f.call}: {f.error}" for f in self.failures]
         rows.append(f"  {len(self.kernels)} kernels compiled for {self.arch.name}, {len(self.failures)} call(s) failed")
@@ -221,6 +224,8 @@ class _Binary:
 
     registers: int
     local_bytes: int
+    instructions: int
+    shuffles: int
 
 
 @dataclass
@@ -253,8 +258,8 @@ class _DeviceLimits:
         return {"max_shared_mem": self.arch.max_shared_bytes}
 
     def load_binary(self, name: str, cubin: bytes, shared: int, device: int) -> tuple[None, _Binary, int, int, int]:
-        registers, local_bytes = cubin_resources(cubin, name)
-        return None, _Binary(registers, local_bytes), registers, local_bytes, self.arch.threads_for(registers)
+        binary = cubin_stats(cubin, name)
+        return None, binary, binary.registers, binary.local_bytes, self.arch.threads_for(binary.registers)
 
 
 class _StandInDriver:
@@ -289,16 +294,21 @@ def _cuobjdump() -> str:
     return path
 
 
-def cubin_resources(cubin: bytes, name: str) -> tuple[int, int]:
-    """(registers per thread, local memory bytes per thread) of the kernel in `cubin`."""
+SASS_LINE = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+
+
+def cubin_stats(cubin: bytes, name: str) -> _Binary:
+    """Registers and local memory per thread of the kernel in `cubin`, and its SASS: instructions (padding NOPs not
+    counted) and warp shuffles among them (cross-lane reductions)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
         handle.write(cubin)
         handle.flush()
-        out = subprocess.run([_cuobjdump(), "--dump-resource-usage", handle.name], capture_output=True, text=True, check=False)
+        out = subprocess.run([_cuobjdump(), "-sass", "-res-usage", handle.name], capture_output=True, text=True, check=False)
     match = re.search(r"REG:(\d+) STACK:\d+ SHARED:\d+ LOCAL:(\d+)", out.stdout)
     if match is None:
         raise ReplaygenError(f"cuobjdump printed no resource usage for {name}: {(out.stderr or out.stdout)[-300:]}")
-    return int(match.group(1)), int(match.group(2))
+    ops = [m.group(1) for m in map(SASS_LINE.match, out.stdout.splitlines()) if m and m.group(1) != "NOP"]
+    return _Binary(int(match.group(1)), int(match.group(2)), len(ops), sum(op == "SHFL" for op in ops))
 
 
 def _use_stand_in(arch: Architecture, recorder: _Recorder) -> None:
@@ -347,6 +357,8 @@ def _compile(job: CompileJob) -> CompileReport:
             registers=binary.registers,
             local_bytes=binary.local_bytes,
             shared_bytes=metadata.shared,
+            instructions=binary.instructions,
+            shuffles=binary.shuffles,
             launched_by=tuple(recorder.calls[key]),
         )
         for key, (name, metadata, binary) in recorder.kernels.items()

@@ -34,7 +34,7 @@ EVERY_KERNEL = {
 def assert_compiled(report):
     assert report.ok, "\n".join(report.lines())
     assert {k.kernel for k in report.kernels} >= EVERY_KERNEL
-    assert all(k.registers > 0 and k.launched_by for k in report.kernels)
+    assert all(k.registers > 0 and k.instructions > k.shuffles >= 0 and k.launched_by for k in report.kernels)
 
 
 SPECS = {name: load_spec(ROOT / "specs" / f"{name}.yaml") for name in ("mamba2", "gdn")}
