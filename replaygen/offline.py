@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from replaygen.configs import BucketConfig, KernelKind, Route
 from replaygen.errors import ReplaygenError, one_line
-from replaygen.plan import ModulePlan
+from replaygen.plan import ModulePlan, plan_module
 from replaygen.spec.model import Spec, TargetShape
 
 if TYPE_CHECKING:
@@ -106,8 +106,7 @@ def compile_job(
     kinds: tuple[KernelKind, ...] = tuple(KernelKind),
 ) -> CompileJob:
     """The job of compiling the module of `shape` with dispatch `tables` for `arch` (the calls of `kinds`)."""
-    from replaygen.codegen import render_module
-    from replaygen.plan import plan_module
+    from replaygen.codegen import render_module  # looked up here: tests render broken modules through it
 
     plan = plan_module(spec, shape, arch.name, tables, f"compiled offline for {arch.name}")
     return CompileJob(plan, render_module(plan), arch, act_dtype, kinds)
@@ -167,22 +166,27 @@ class CompileRun:
         self._workers = max(1, min(len(jobs), workers or os.cpu_count() or 1))
         self._folder = tempfile.TemporaryDirectory(prefix="replaygen-compile-")
         env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-        self._running: list[tuple[Path, subprocess.Popen]] = []
+        self._running: list[subprocess.Popen] = []
         for index in range(self._workers if jobs else 0):
-            jobs_path, out_path = Path(self._folder.name, f"jobs{index}.pickle"), Path(self._folder.name, f"reports{index}.pickle")
+            jobs_path = self._path("jobs", index)
             jobs_path.write_bytes(pickle.dumps(jobs[index :: self._workers]))
-            command = [sys.executable, "-c", "import sys; from replaygen.offline import work; work(sys.argv[1], sys.argv[2])", str(jobs_path), str(out_path)]
-            process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            self._running.append((out_path, process))
+            command = [sys.executable, "-c", "import sys; from replaygen.offline import work; work(sys.argv[1], sys.argv[2])", str(jobs_path), str(self._path("reports", index))]
+            with self._path("output", index).open("w") as output:  # a file, not a pipe: no worker waits for a reader
+                self._running.append(subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT))
+
+    def _path(self, what: str, index: int) -> Path:
+        return Path(self._folder.name, f"{what}{index}")
 
     def reports(self) -> tuple[CompileReport, ...]:
         """Wait for the workers; the reports in job order (ReplaygenError where a worker failed)."""
         reports: dict[int, CompileReport] = {}
         try:
-            for index, (out_path, process) in enumerate(self._running):
-                output, _ = process.communicate()
+            for index, process in enumerate(self._running):
+                process.wait()
+                out_path = self._path("reports", index)
                 if process.returncode != 0 or not out_path.exists():
-                    raise ReplaygenError(f"offline compile worker exited with {process.returncode}: {output.strip()[-2000:]}")
+                    output = self._path("output", index).read_text(errors="replace").strip()
+                    raise ReplaygenError(f"offline compile worker exited with {process.returncode}: {output[-2000:]}")
                 for position, report in enumerate(pickle.loads(out_path.read_bytes())):
                     reports[index + position * self._workers] = report
         finally:
@@ -191,16 +195,15 @@ class CompileRun:
 
     def cancel(self) -> None:
         """Stop the workers that still run and remove their files."""
-        for _, process in self._running:
+        for process in self._running:
             if process.poll() is None:
                 process.kill()
             process.wait()
-            process.stdout.close()
         self._folder.cleanup()
 
     @property
     def running(self) -> bool:
-        return any(process.poll() is None for _, process in self._running)
+        return any(process.poll() is None for process in self._running)
 
 
 def compile_modules(jobs: list[CompileJob], workers: int | None = None) -> tuple[CompileReport, ...]:
