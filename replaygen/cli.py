@@ -55,9 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compile", help="compile every kernel for a GPU architecture, without that GPU", description=(
         "Compile every kernel a shape's module launches for a GPU architecture on this machine (no GPU needed): the "
         "module's own calls at one batch size per dispatch bucket, and the calls that switch the kernels' optional paths "
-        "(the other replay route, the gate, directly given decay and weight). Reports registers, local memory (spills) "
-        "and shared memory per kernel; fails on a compile error or a kernel beyond the architecture's shared memory "
-        "or threads per block."))
+        "(the other replay route, the gate, directly given decay and weight). Reports registers, local memory (spills), "
+        "shared memory, SASS instructions and shuffles per kernel; fails on a compile error or a kernel beyond the "
+        "architecture's shared memory or threads per block."))
     _add_spec(p)
     p.add_argument("--arch", default=None, help=(
         f"architecture ({', '.join(ARCHITECTURES)}; default: the compute capability the --gpu records were tuned on, else sm_90)"))

@@ -176,7 +176,7 @@ class Tuner:
         settings: TuneSettings,
         progress: Progress,
         storage: optuna.storages.BaseStorage | None = None,
-        warm: Callable[[SearchTask, list[KernelConfig]], None] | None = None,
+        warm: Callable[[SearchTask, tuple[KernelConfig, ...]], None] | None = None,
     ):
         """`storage`: the Optuna storage (see make_storage; None: in memory); unused in exhaustive mode. `warm` is told
         an exhaustive search's candidates before they are measured (tune.warm.CacheWarmer compiles them ahead)."""
@@ -374,7 +374,7 @@ def tune(
     settings: TuneSettings,
     progress: Progress,
     timeout_s: float | None = None,
-    warm: Callable[[SearchTask, list[KernelConfig]], None] | None = None,
+    warm: Callable[[SearchTask, tuple[KernelConfig, ...]], None] | None = None,
 ) -> list[SearchResult]:
     """Run every task; with `timeout_s`, each search gets an equal share of the time left (`warm`: see Tuner)."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)

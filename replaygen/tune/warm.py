@@ -32,7 +32,7 @@ class CacheWarmer:
         self.workers = workers or max(1, (os.cpu_count() or 1) - 2)
         self.run: CompileRun | None = None
 
-    def __call__(self, task: SearchTask, configs: list[KernelConfig]) -> None:
+    def __call__(self, task: SearchTask, configs: tuple[KernelConfig, ...]) -> None:
         """Start compiling `configs` of `task`, in the order the search measures them."""
         self.close()
         jobs = [compile_job(task.spec, task.shape, candidate_tables(task.spec, task.shape, task.kind, c), self.arch, self.act_dtype, (task.kind,)) for c in configs]
