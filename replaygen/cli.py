@@ -106,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="tune", type=Path, help="records folder (default: tune)")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="stop starting trials after this long; each search gets an equal share of the time left")
     p.add_argument("--seed", type=int, default=0, help="sampler seed (default: 0)")
+    p.add_argument("--compile-workers", type=int, default=None, metavar="N", help=(
+        "with --exhaustive, processes that compile each search's candidates ahead of the GPU (default: the CPUs less two; 0: off)"))
 
     p = sub.add_parser("list", help="specs, their shapes, and GPUs with tuning records", description="List the specs in SPECS_DIR with their shapes, and the GPUs that have tuning records in TUNE_DIR.")
     p.add_argument("--specs-dir", default="specs", type=Path)
@@ -390,6 +392,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise ReplaygenError(f"--kernels takes {','.join(k.value for k in TUNABLE)}, got '{args.kernels}'")
     if args.trials < 1:
         raise ReplaygenError(f"--trials must be positive, got {args.trials}")
+    if args.compile_workers is not None and args.compile_workers < 0:
+        raise ReplaygenError(f"--compile-workers must be 0 or more, got {args.compile_workers}")
     fixed = []
     for item in args.fix:
         name, sep, value = item.partition("=")
@@ -409,6 +413,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         out_dir=args.out,
         timeout_s=args.timeout,
         seed=args.seed,
+        compile_workers=args.compile_workers,
     )
     return 0
 

@@ -608,6 +608,7 @@ def test_the_cache_warmer_compiles_for_the_tuning_gpu(capsys):
 
     warmer = cache_warmer("9.0", "bfloat16")
     assert warmer.arch.name == "sm_90" and warmer.workers >= 1
+    assert cache_warmer("9.0", "bfloat16", 3).workers == 3 and cache_warmer("9.0", "bfloat16", 0) is None
     assert cache_warmer("8.7", "bfloat16") is None
     assert "candidates compile one at a time: unknown architecture '8.7'" in capsys.readouterr().err
 
@@ -770,6 +771,8 @@ def test_tune_command_end_to_end_on_a_fake_gpu(tmp_path, monkeypatch, capsys):
     assert "baseline_decode: tuned (b1: " in built and "replay_decode: tuned (b1: " in built
     assert main(["tune", spec_file, "--kernels", "commit"]) == 2
     assert "--kernels takes" in capsys.readouterr().err
+    assert main(["tune", spec_file, "--exhaustive", "--compile-workers", "-1"]) == 2
+    assert "--compile-workers must be 0 or more" in capsys.readouterr().err
     assert main(["tune", spec_file, "--shape", "nemotron-h", "--kernels", "baseline_decode", "--fix", "flush_at=3", "--out", str(out)]) == 2
     assert "--fix flush_at=3" in capsys.readouterr().err
 

@@ -29,10 +29,13 @@ def gpu_name_of(device_name: str) -> str:
     return match.group(1).lower()
 
 
-def cache_warmer(compute_capability: str, dtype_name: str) -> CacheWarmer | None:
-    """A warmer compiling for the tuning GPU's architecture, or None (said so) where offline compilation has none."""
+def cache_warmer(compute_capability: str, dtype_name: str, workers: int | None = None) -> CacheWarmer | None:
+    """A warmer compiling for the tuning GPU's architecture in `workers` processes (None: CacheWarmer's default), or
+    None where `workers` is 0 or (said so) where offline compilation does not know the architecture."""
+    if workers == 0:
+        return None
     try:
-        return CacheWarmer(architecture(compute_capability), dtype_name)
+        return CacheWarmer(architecture(compute_capability), dtype_name, workers)
     except ReplaygenError as exc:
         print(f"candidates compile one at a time: {exc}", file=sys.stderr)
         return None
@@ -52,6 +55,7 @@ def run_tune(
     out_dir: Path,
     timeout_s: float | None,
     seed: int,
+    compile_workers: int | None = None,
 ) -> list[SearchResult]:
     """Tune on the current CUDA device; records go to out_dir/<gpu>/, the summary to stdout."""
     import torch
@@ -78,7 +82,7 @@ def run_tune(
         f"{dtype_name}: {len(tasks)} searches, {'exhaustive' if exhaustive else f'{trials} Optuna trials each'}",
         flush=True,
     )
-    warmer = cache_warmer(environment.compute_capability, dtype_name) if exhaustive else None
+    warmer = cache_warmer(environment.compute_capability, dtype_name, compile_workers) if exhaustive else None
     try:
         results = tune(
             tasks,
