@@ -38,6 +38,16 @@ if TYPE_CHECKING:
     import torch
 
 DEVICE = "cpu"
+# The module call that launches each kind's kernels: the labels of a report's "launched by".
+CALLS = {
+    KernelKind.BASELINE_DECODE: "baseline_decode",
+    KernelKind.REPLAY_DECODE: "decode",
+    KernelKind.MATERIALIZE: "materialize",
+    KernelKind.LOAD: "load",
+    KernelKind.REPLAY_VERIFY: "verify",
+    KernelKind.COMMIT: "commit",
+    KernelKind.BASELINE_VERIFY: "baseline_verify+commit",
+}
 # Kernel kinds whose calls take the step inputs, so the optional inputs switch their kernels' paths.
 WITH_INPUTS = (KernelKind.BASELINE_DECODE, KernelKind.REPLAY_DECODE, KernelKind.REPLAY_VERIFY, KernelKind.BASELINE_VERIFY)
 
@@ -401,17 +411,17 @@ def _calls(module: ModuleType, plan: ModulePlan, act_dtype: torch.dtype, kinds: 
     def accepted(batch: int) -> torch.Tensor:
         return torch.full((batch,), tokens, dtype=torch.int32)
 
-    calls: dict[KernelKind, tuple[str, Callable[..., object]]] = {
-        KernelKind.BASELINE_DECODE: ("baseline_decode", lambda b, **kw: module.baseline_decode(baseline, slots(b), **step(b, **kw))),
-        KernelKind.REPLAY_DECODE: ("decode", lambda b, route=None, **kw: module.decode(state, slots(b), **step(b, **kw), route=route)),
-        KernelKind.MATERIALIZE: ("materialize", lambda b: module.materialize(state, slots(b))),
-        KernelKind.LOAD: ("load", lambda b: module.load(state, slots(b), torch.zeros((b, *module.STATE_SHAPE)))),
-        KernelKind.REPLAY_VERIFY: ("verify", lambda b, **kw: module.verify(state, slots(b), **window(b, **kw))),
-        KernelKind.COMMIT: ("commit", lambda b: module.commit(state, slots(b), accepted(b))),
-        KernelKind.BASELINE_VERIFY: ("baseline_verify+commit", lambda b, **kw: (module.baseline_verify(snapshots, current, slots(b), **window(b, **kw)), module.baseline_commit(current, slots(b), accepted(b)))),
+    calls: dict[KernelKind, Callable[..., object]] = {
+        KernelKind.BASELINE_DECODE: lambda b, **kw: module.baseline_decode(baseline, slots(b), **step(b, **kw)),
+        KernelKind.REPLAY_DECODE: lambda b, route=None, **kw: module.decode(state, slots(b), **step(b, **kw), route=route),
+        KernelKind.MATERIALIZE: lambda b: module.materialize(state, slots(b)),
+        KernelKind.LOAD: lambda b: module.load(state, slots(b), torch.zeros((b, *module.STATE_SHAPE))),
+        KernelKind.REPLAY_VERIFY: lambda b, **kw: module.verify(state, slots(b), **window(b, **kw)),
+        KernelKind.COMMIT: lambda b: module.commit(state, slots(b), accepted(b)),
+        KernelKind.BASELINE_VERIFY: lambda b, **kw: (module.baseline_verify(snapshots, current, slots(b), **window(b, **kw)), module.baseline_commit(current, slots(b), accepted(b))),
     }
     for kind in kinds:
-        name, call = calls[kind]
+        name, call = CALLS[kind], calls[kind]
         batches = bucket_batches(tables[kind])
         for batch in batches:
             yield f"{name} b{batch}", lambda call=call, batch=batch: call(batch)

@@ -8,7 +8,7 @@ from replaygen import codegen
 from replaygen.cli import main
 from replaygen.configs import KernelKind, module_defaults
 from replaygen.errors import ReplaygenError
-from replaygen.offline import Architecture, CompileRun, architecture, bucket_batches, compile_job, compile_modules
+from replaygen.offline import CALLS, Architecture, CompileRun, architecture, bucket_batches, compile_job, compile_modules
 from replaygen.spec import load_spec, load_spec_text
 from replaygen.tune.apply import resolve_configs
 from replaygen.tune.records import candidate_tables, render_candidate
@@ -16,15 +16,6 @@ from replaygen.tune.records import candidate_tables, render_candidate
 from conftest import ODD, ROOT, SMALL
 
 SM90 = architecture("sm_90")
-API = {
-    KernelKind.BASELINE_DECODE: "baseline_decode",
-    KernelKind.REPLAY_DECODE: "decode",
-    KernelKind.MATERIALIZE: "materialize",
-    KernelKind.LOAD: "load",
-    KernelKind.REPLAY_VERIFY: "verify",
-    KernelKind.COMMIT: "commit",
-    KernelKind.BASELINE_VERIFY: "baseline_verify+commit",
-}
 EVERY_KERNEL = {
     "_baseline_decode_kernel", "_replay_decode_kernel", "_materialize_kernel", "_load_kernel", "_replay_verify_kernel",
     "_commit_kernel", "_baseline_verify_kernel", "_baseline_commit_kernel",
@@ -66,7 +57,7 @@ def test_every_shipped_module_compiles_for_the_h100(shipped_reports, name, shape
     launched = {call for k in report.kernels for call in k.launched_by}
     for kind, table in h100_tables(spec, spec.shape(shape_name)).items():
         for batch in bucket_batches(table):
-            assert f"{API[kind]} b{batch}" in launched, f"{API[kind]} b{batch} launched nothing"
+            assert f"{CALLS[kind]} b{batch}" in launched, f"{CALLS[kind]} b{batch} launched nothing"
 
 
 GDN_TEXT = (ROOT / "specs" / "gdn.yaml").read_text()

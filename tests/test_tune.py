@@ -20,6 +20,7 @@ from replaygen.cli import main
 from replaygen.configs import KernelConfig, KernelKind, Route, bucket_range, bucket_variants
 from replaygen.errors import TuningRecordError, UnsupportedShapeError
 from replaygen.measure import Timing
+from replaygen.offline import architecture
 from replaygen.runtime import load_kernels
 from replaygen.spec import load_spec_text
 from replaygen.tune import records as rec
@@ -601,6 +602,20 @@ def test_exhaustive_searches_tell_the_warmer_their_candidates_first(mamba2, tmp_
     assert first == 0 and {b for _, b in fake.timed[:second]} == {8} and {b for _, b in fake.timed[second:]} == {32}
     run(mamba2, tmp_path / "optuna", (BD,), (8,), trials=3, warm=warm)
     assert len(told) == 2  # Optuna proposes one config at a time: nothing to compile ahead
+
+
+def test_the_warmer_leaves_configs_that_do_not_render_to_the_search(mamba2, monkeypatch):
+    from replaygen.tune import warm
+
+    started = []
+    monkeypatch.setattr(warm, "CompileRun", lambda jobs, workers: started.append(jobs))
+    shape = mamba2.shape("nemotron-h")
+    (task,) = plan_tasks(mamba2, (shape,), (BD,), (8,))
+    good = KernelConfig(block_v=16, num_warps=4)
+    warmer = warm.CacheWarmer(architecture("sm_90"), "bfloat16", workers=2)
+    warmer(task, (KernelConfig(block_v=24), good))
+    assert [job.plan.configs[BD][0].config for job in started[0]] == [good]
+    assert all(job.kinds == (BD,) and job.arch.name == "sm_90" for job in started[0])
 
 
 def test_the_cache_warmer_compiles_for_the_tuning_gpu(capsys):

@@ -13,6 +13,7 @@ import os
 from typing import TYPE_CHECKING
 
 from replaygen.configs import KernelConfig
+from replaygen.errors import ReplaygenError
 from replaygen.offline import Architecture, CompileRun, compile_job
 from replaygen.tune.records import candidate_tables
 
@@ -33,11 +34,21 @@ class CacheWarmer:
         self.run: CompileRun | None = None
 
     def __call__(self, task: SearchTask, configs: tuple[KernelConfig, ...]) -> None:
-        """Start compiling `configs` of `task`, in the order the search measures them."""
+        """Start compiling `configs` of `task`, in the order the search measures them. A config that does not render
+        is left to the search (which records why); a warm-up that cannot start is skipped, said so in the log."""
         self.close()
-        jobs = [compile_job(task.spec, task.shape, candidate_tables(task.spec, task.shape, task.kind, c), self.arch, self.act_dtype, (task.kind,)) for c in configs]
+        jobs = []
+        for config in configs:
+            try:
+                jobs.append(compile_job(task.spec, task.shape, candidate_tables(task.spec, task.shape, task.kind, config), self.arch, self.act_dtype, (task.kind,)))
+            except ReplaygenError:
+                continue
+        try:
+            self.run = CompileRun(jobs, self.workers)
+        except OSError as exc:
+            log.warning("%s: candidates compile one at a time (no worker processes: %s)", task.label, exc)
+            return
         log.info("%s: compiling %d candidates ahead in %d worker processes", task.label, len(jobs), min(self.workers, len(jobs)))
-        self.run = CompileRun(jobs, self.workers)
 
     def close(self) -> None:
         if self.run is not None:
