@@ -173,11 +173,11 @@ class CompileRun:
 
     def __init__(self, jobs: list[CompileJob], workers: int | None = None):
         self._count = len(jobs)
-        self._workers = max(1, min(len(jobs), workers or os.cpu_count() or 1))
+        self._workers = min(len(jobs), workers or os.cpu_count() or 1)  # none without jobs
         self._folder = tempfile.TemporaryDirectory(prefix="replaygen-compile-")
         env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
         self._running: list[subprocess.Popen] = []
-        for index in range(self._workers if jobs else 0):
+        for index in range(self._workers):
             jobs_path = self._path("jobs", index)
             jobs_path.write_bytes(pickle.dumps(jobs[index :: self._workers]))
             command = [sys.executable, "-c", "import sys; from replaygen.offline import work; work(sys.argv[1], sys.argv[2])", str(jobs_path), str(self._path("reports", index))]
@@ -246,15 +246,14 @@ class _Recorder:
     """Launches seen while a call runs, per compiled kernel."""
 
     call: str = ""
-    kernels: dict[str, tuple[str, object, _Binary]] = field(default_factory=dict)  # by the compiled binary's hash
-    calls: dict[str, list[str]] = field(default_factory=dict)
+    # by the compiled binary's hash: name, Triton's metadata, the stand-in's binary, the calls that launched it
+    kernels: dict[str, tuple[str, object, _Binary, list[str]]] = field(default_factory=dict)
 
     def launcher(self, name: str, metadata: object) -> Callable[..., None]:
         key = metadata.hash  # Triton may compile one binary twice (its in-memory cache key is finer); listed once
 
         def launch(grid_0, grid_1, grid_2, stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *args) -> None:
-            self.kernels[key] = (name, metadata, function)
-            calls = self.calls.setdefault(key, [])
+            calls = self.kernels.setdefault(key, (name, metadata, function, []))[3]
             if self.call not in calls:
                 calls.append(self.call)
 
@@ -372,9 +371,9 @@ def _compile(job: CompileJob) -> CompileReport:
             shared_bytes=metadata.shared,
             instructions=binary.instructions,
             shuffles=binary.shuffles,
-            launched_by=tuple(recorder.calls[key]),
+            launched_by=tuple(calls),
         )
-        for key, (name, metadata, binary) in recorder.kernels.items()
+        for name, metadata, binary, calls in recorder.kernels.values()
     )
     return CompileReport(module=f"{plan.spec.name}/{plan.shape.name}", arch=arch, kernels=kernels, failures=tuple(failures))
 
