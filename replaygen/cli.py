@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="tune", type=Path, help="records folder (default: tune)")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="stop starting trials after this long; each search gets an equal share of the time left")
     p.add_argument("--seed", type=int, default=0, help="sampler seed (default: 0)")
+    p.add_argument("--retime", action="store_true", help=(
+        "with --exhaustive, time every candidate again even where OUT holds its trial (crashed ones excepted); the new trial "
+        "supersedes the old one in the records"))
     p.add_argument("--compile-workers", type=int, default=None, metavar="N", help=(
         "with --exhaustive, processes that compile each search's candidates ahead of the GPU (default: the CPUs less two; 0: off)"))
 
@@ -392,6 +395,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise ReplaygenError(f"--kernels takes {','.join(k.value for k in TUNABLE)}, got '{args.kernels}'")
     if args.trials < 1:
         raise ReplaygenError(f"--trials must be positive, got {args.trials}")
+    if args.retime and not args.exhaustive:
+        raise ReplaygenError("--retime needs --exhaustive (an Optuna search steers by the values its journal already holds)")
     if args.compile_workers is not None and args.compile_workers < 0:
         raise ReplaygenError(f"--compile-workers must be 0 or more, got {args.compile_workers}")
     fixed = []
@@ -414,6 +419,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         seed=args.seed,
         compile_workers=args.compile_workers,
+        retime=args.retime,
     )
     return 0
 

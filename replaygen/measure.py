@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -23,6 +24,7 @@ from replaygen.spec.model import Spec, TargetShape
 from replaygen.traffic import state_bytes
 
 MAX_LAYERS = 64
+WARMUP_MS = 300.0  # sustained load before sampling: long enough for the GPU's clock to settle (entry 22)
 
 
 @dataclass(frozen=True)
@@ -50,11 +52,18 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (timing.median_ms * 1e-3)
 
 
-def time_callable(fn: Callable[[], object], repeats: int = 50, warmup: int = 5, per_call: int = 1) -> Timing:
-    """Median and spread of `fn` timed with CUDA events, divided by `per_call` (steps inside one call)."""
-    for _ in range(warmup):
+def time_callable(fn: Callable[[], object], repeats: int = 50, warmup_ms: float = WARMUP_MS, per_call: int = 1) -> Timing:
+    """Median and spread of `fn` timed with CUDA events, divided by `per_call` (steps inside one call).
+
+    `fn` first runs for at least `warmup_ms` of wall time (and at least twice): after the GPU idles (compiling,
+    host work) its clock stays above the sustained-load clock for tens of milliseconds, which made short kernels
+    timed right after a compile up to 13% faster than the same kernels under load (docs/perf.md entry 22)."""
+    deadline = time.perf_counter() + warmup_ms * 1e-3
+    calls = 0
+    while calls < 2 or time.perf_counter() < deadline:
         fn()
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        calls += 1
     samples = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -26,7 +26,7 @@ from replaygen.spec import load_spec_text
 from replaygen.tune import records as rec
 from replaygen.tune.apply import dispatch_table, resolve_configs
 from replaygen.tune.objective import CheckResult, Evaluator, ReferenceChecker, TuneAborted, WorkloadTimer
-from replaygen.tune.records import Environment, RecordStore, TrialRecord, TrialStatus, TrialTiming, append_trials, read_records, record_path, render_candidate
+from replaygen.tune.records import Environment, RecordStore, TrialRecord, TrialStatus, TrialTiming, append_trials, latest_trials, read_records, record_path, render_candidate
 from replaygen.tune.report import format_summary, summary_rows
 from replaygen.tune.run import gpu_name_of
 from replaygen.tune.space import PruneRule, derive_space
@@ -500,11 +500,11 @@ class FakeGPU:
         return Evaluator(checker=self.checker, timer=self.timer, loader=lambda candidate: types.SimpleNamespace(), health=self.health)
 
 
-def run(mamba2, tmp_path, kinds, batches, *, trials=12, mode=Mode.OPTUNA, fixed=(), fake=None, seed=0, storage=None, warm=None):
+def run(mamba2, tmp_path, kinds, batches, *, trials=12, mode=Mode.OPTUNA, fixed=(), fake=None, seed=0, storage=None, warm=None, retime=False):
     shape = mamba2.shape("nemotron-h")
     fake = fake or FakeGPU()
     store = RecordStore(record_path(tmp_path, "h100", mamba2, shape), spec="mamba2", shape=shape.name, gpu="h100")
-    settings = TuneSettings(trials=trials, mode=mode, journal=tmp_path / "h100" / "optuna.journal", seed=seed, storage=storage)
+    settings = TuneSettings(trials=trials, mode=mode, journal=tmp_path / "h100" / "optuna.journal", seed=seed, storage=storage, retime=retime)
     results = tune(
         plan_tasks(mamba2, (shape,), kinds, batches, fixed),
         evaluator_for=fake.evaluator,
@@ -637,6 +637,24 @@ def test_a_rerun_reuses_recorded_outcomes_and_retries_failures(mamba2, tmp_path)
     assert again[0].best == first[0].best and len(store.trials) == 16
 
 
+def test_retime_measures_known_code_again_and_the_latest_timing_counts(mamba2, tmp_path):
+    fixed = (("evict_state", "False"),)
+    first, store, _ = run(mamba2, tmp_path, (BD,), (8,), mode=Mode.EXHAUSTIVE, fixed=fixed)
+    winner = first[0].best.config
+
+    class WinnerSlowedDown(FakeGPU):
+        def timer(self, module, candidate, batch):
+            timing = super().timer(module, candidate, batch)
+            return TrialTiming(*(10 * t for t in (timing.median_ms, timing.p20_ms, timing.p80_ms)), 20) if candidate.config == winner else timing
+
+    again, store, fake = run(mamba2, tmp_path, (BD,), (8,), mode=Mode.EXHAUSTIVE, fixed=fixed, fake=WinnerSlowedDown(), retime=True)
+    assert again[0].measured == 15 and len(fake.checked) == 15 and len(store.trials) == 30  # every candidate, WRONG included
+    assert again[0].best.config != winner
+    latest = latest_trials(read_records(store.path).trials)
+    assert len(latest) == 15 and {t.id for t in latest} == {t.id for t in store.trials[15:]}
+    assert resolve_configs(mamba2, mamba2.shape("nemotron-h"), "h100", tmp_path, allow_default=True).configs[BD] == dispatch_table({8: again[0].best.config})
+
+
 def test_a_tiny_space_ends_when_exhausted(mamba2, tmp_path):
     fixed = (("block_v", "16"), ("evict_state", "False"))
     results, store, fake = run(mamba2, tmp_path, (BD,), (1,), trials=50, fixed=fixed)
@@ -708,6 +726,8 @@ def test_a_crash_stops_the_tune_and_is_never_retried(mamba2, tmp_path):
     assert [t.config for t in crashed] == [crash]
     again, _, fake = run(mamba2, tmp_path, (BD,), (8,), mode=Mode.EXHAUSTIVE, fake=Crashing())
     assert crash not in fake.checked and not fake.lost and again[0].best is not None
+    retimed, _, fake = run(mamba2, tmp_path, (BD,), (8,), mode=Mode.EXHAUSTIVE, fake=Crashing(), retime=True)
+    assert crash not in fake.checked and not fake.lost and retimed[0].measured == len(fake.checked) > 0
 
 
 def test_reference_checker_on_a_real_candidate(mamba2):
@@ -788,6 +808,8 @@ def test_tune_command_end_to_end_on_a_fake_gpu(tmp_path, monkeypatch, capsys):
     assert "--kernels takes" in capsys.readouterr().err
     assert main(["tune", spec_file, "--exhaustive", "--compile-workers", "-1"]) == 2
     assert "--compile-workers must be 0 or more" in capsys.readouterr().err
+    assert main(["tune", spec_file, "--retime"]) == 2
+    assert "--retime needs --exhaustive" in capsys.readouterr().err
     assert main(["tune", spec_file, "--shape", "nemotron-h", "--kernels", "baseline_decode", "--fix", "flush_at=3", "--out", str(out)]) == 2
     assert "--fix flush_at=3" in capsys.readouterr().err
 

@@ -27,7 +27,7 @@ from replaygen import __version__
 from replaygen.configs import BucketConfig, KernelConfig, KernelKind, module_defaults
 from replaygen.errors import TuningRecordError, UnsupportedShapeError
 from replaygen.spec.model import Spec, TargetShape
-from replaygen.tune.records import RecordFile, TrialRecord, TrialStatus, read_records, record_path, render_candidate, shape_sha256, spec_content_sha256
+from replaygen.tune.records import RecordFile, TrialRecord, TrialStatus, latest_trials, read_records, record_path, render_candidate, shape_sha256, spec_content_sha256
 from replaygen.tune.space import TUNABLE_KINDS
 
 
@@ -155,10 +155,11 @@ def resolve_configs(
 
 
 def _pick(records: RecordFile, kind: KernelKind, target: BuildTarget, accept_env_mismatch: bool) -> _KindPick:
-    """Every OK trial of `kind` checked (cheap fields); per batch size the fastest eligible one whose source re-renders the same."""
+    """Every OK trial of `kind` checked (cheap fields); per batch size the fastest eligible one whose source re-renders the same.
+    A trial timed again later (`tune --retime`) counts with its latest timing only."""
     pick = _KindPick()
     eligible: dict[int, list[tuple[TrialRecord, list[tuple[Mismatch, str]]]]] = {}
-    for trial in records.trials:
+    for trial in latest_trials(records.trials):
         if trial.key.kind is not kind or trial.status is not TrialStatus.OK or trial.timing is None:
             continue
         found = mismatches(trial, target)

@@ -281,6 +281,17 @@ def _text(value: object) -> str:
     return value
 
 
+def latest_trials(trials: tuple[TrialRecord, ...] | list[TrialRecord]) -> list[TrialRecord]:
+    """`trials` less those timed again later: per kernel kind, source, batch size, environment and activation dtype
+    the last trial in record order counts (`tune --retime` measures known code again; its trial supersedes)."""
+    last: dict[tuple[object, ...], TrialRecord] = {}
+    for trial in trials:
+        key = (trial.key.kind, trial.key.source_sha256, trial.batch, trial.environment.fingerprint(), trial.activation_dtype)
+        last.pop(key, None)
+        last[key] = trial
+    return list(last.values())
+
+
 @dataclass(frozen=True, kw_only=True)
 class RecordFile:
     """The trials of one spec and shape on one GPU."""

@@ -56,6 +56,7 @@ def run_tune(
     timeout_s: float | None,
     seed: int,
     compile_workers: int | None = None,
+    retime: bool = False,
 ) -> list[SearchResult]:
     """Tune on the current CUDA device; records go to out_dir/<gpu>/, the summary to stdout."""
     import torch
@@ -74,6 +75,7 @@ def run_tune(
         journal=Path(out_dir) / gpu / JOURNAL_NAME,
         seed=seed,
         activation_dtype=dtype_name,
+        retime=retime,
     )
     tasks = plan_tasks(spec, shapes, kinds, batches, fixed)
     stores = {shape.name: RecordStore(record_path(out_dir, gpu, spec, shape), spec=spec.name, shape=shape.name, gpu=gpu) for shape in shapes}

@@ -42,7 +42,7 @@ from replaygen.configs import KernelConfig, KernelKind
 from replaygen.errors import ReplaygenError
 from replaygen.spec.model import DecayGranularity, Spec, TargetShape
 from replaygen.tune.objective import Evaluator, TuneAborted
-from replaygen.tune.records import Environment, RecordStore, TrialRecord, TrialStatus, canonical_sha256, render_candidate, spec_content_sha256
+from replaygen.tune.records import Environment, RecordStore, TrialRecord, TrialStatus, canonical_sha256, latest_trials, render_candidate, spec_content_sha256
 from replaygen.tune.space import Scale, SearchSpace, derive_space
 
 log = logging.getLogger(__name__)
@@ -67,6 +67,7 @@ class TuneSettings:
     journal: Path | None = None  # the journal file when storage is None
     seed: int = 0
     activation_dtype: str = "bfloat16"
+    retime: bool = False  # exhaustive mode: time every candidate again instead of reusing the records' trials
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -191,10 +192,12 @@ class Tuner:
         fingerprint = environment.fingerprint()
         # One module serves every kernel kind (a candidate renders the others with their defaults), so a trial is
         # known by its kind too: with default configs, two kinds' candidates render the same source.
+        # With retime only the crashed trials are reused: a config that made the GPU unusable is not run again.
+        reused = {TrialStatus.CRASHED} if settings.retime else REUSED_STATUSES
         self._known = {
             (t.key.kind, t.key.source_sha256, t.batch): t
-            for t in store.trials
-            if t.environment.fingerprint() == fingerprint and t.activation_dtype == settings.activation_dtype and t.status in REUSED_STATUSES
+            for t in latest_trials(store.trials)
+            if t.environment.fingerprint() == fingerprint and t.activation_dtype == settings.activation_dtype and t.status in reused
         }
 
     def study_name(self, task: SearchTask) -> str:
@@ -251,7 +254,7 @@ class Tuner:
             return ()
         fingerprint = self.environment.fingerprint()
         baselines = [
-            t for t in self.store.trials
+            t for t in latest_trials(self.store.trials)
             if t.key.kind is KernelKind.BASELINE_DECODE and t.batch == task.batch and t.status is TrialStatus.OK
             and t.environment.fingerprint() == fingerprint and t.activation_dtype == self.settings.activation_dtype
         ]
