@@ -286,7 +286,7 @@ def latest_trials(trials: tuple[TrialRecord, ...] | list[TrialRecord]) -> list[T
     the last trial in record order counts (`tune --retime` measures known code again; its trial supersedes)."""
     last: dict[tuple[object, ...], TrialRecord] = {}
     for trial in trials:
-        key = (trial.key.kind, trial.key.source_sha256, trial.batch, trial.environment.fingerprint(), trial.activation_dtype)
+        key = (trial.key.kind, trial.key.source_sha256, trial.batch, trial.environment, trial.activation_dtype)
         last.pop(key, None)
         last[key] = trial
     return list(last.values())
