@@ -189,16 +189,23 @@ class Tuner:
         self.settings = settings
         self.progress = progress
         self.storage = storage
-        fingerprint = environment.fingerprint()
         # One module serves every kernel kind (a candidate renders the others with their defaults), so a trial is
         # known by its kind too: with default configs, two kinds' candidates render the same source.
         # With retime only the crashed trials are reused: a config that made the GPU unusable is not run again.
         reused = {TrialStatus.CRASHED} if settings.retime else REUSED_STATUSES
         self._known = {
             (t.key.kind, t.key.source_sha256, t.batch): t
-            for t in latest_trials(store.trials)
-            if t.environment.fingerprint() == fingerprint and t.activation_dtype == settings.activation_dtype and t.status in reused
+            for t in self._comparable_trials()
+            if t.status in reused
         }
+
+    def _comparable_trials(self) -> list[TrialRecord]:
+        """The records' latest trials (records.latest_trials) made in this environment with this activation dtype."""
+        fingerprint = self.environment.fingerprint()
+        return [
+            t for t in latest_trials(self.store.trials)
+            if t.environment.fingerprint() == fingerprint and t.activation_dtype == self.settings.activation_dtype
+        ]
 
     def study_name(self, task: SearchTask) -> str:
         digest = canonical_sha256({
@@ -252,11 +259,9 @@ class Tuner:
         round trip at batch 1-8 where the baseline did not need it, docs/perf.md entry 14)."""
         if task.kind is not KernelKind.REPLAY_DECODE:
             return ()
-        fingerprint = self.environment.fingerprint()
         baselines = [
-            t for t in latest_trials(self.store.trials)
+            t for t in self._comparable_trials()
             if t.key.kind is KernelKind.BASELINE_DECODE and t.batch == task.batch and t.status is TrialStatus.OK
-            and t.environment.fingerprint() == fingerprint and t.activation_dtype == self.settings.activation_dtype
         ]
         if not baselines:
             return ()
