@@ -9,8 +9,9 @@ from replaygen.configs import BucketConfig, KernelConfig, KernelKind
 from replaygen.harness import InputFactory, check_decode, relative_error
 from replaygen.reference import Reference
 from replaygen.runtime import load_kernels
+from replaygen.spec import load_spec
 
-from conftest import DEVICE, ODD, SMALL
+from conftest import DEVICE, ODD, ROOT, SMALL
 
 
 @pytest.fixture(scope="module")
@@ -202,15 +203,18 @@ class TestApiErrors:
     pytest.param(dict(block_v=16, fused_flush=False, precompute_scores=True, fold_chunk=2, evict_state=True), id="flush-launch-scores-evict"),
     pytest.param(dict(block_v=16, fold_dot=True, prefetch_ring=False, fold_chunk=1), id="dot-fold-no-prefetch"),
 ])
-def test_flush_threshold_changes_between_steps(mamba2, config):
+@pytest.mark.parametrize("spec_file", ["mamba2.yaml", "gdn.yaml"])
+def test_flush_threshold_changes_between_steps(spec_file, config):
     """Batch buckets pick their own flush_at (1 = the baseline's step on the checkpoint), so one sequence sees
-    thresholds change from step to step: entries left by a larger threshold must still be folded."""
+    thresholds change from step to step: entries left by a larger threshold must still be folded (the delta rule's
+    corrected values too)."""
+    spec = load_spec(ROOT / "specs" / spec_file)
     shape = replace(SMALL, value_dim=16, capacity=6, window=1)
-    module = load_kernels(mamba2, shape, {KernelKind.REPLAY_DECODE: (BucketConfig(None, KernelConfig(**config)),)})
-    factory = InputFactory(mamba2, shape, DEVICE, torch.float32, seed=5)
+    module = load_kernels(spec, shape, {KernelKind.REPLAY_DECODE: (BucketConfig(None, KernelConfig(**config)),)})
+    factory = InputFactory(spec, shape, DEVICE, torch.float32, seed=5)
     weights = factory.weights()
     state = module.allocate(3, DEVICE, torch.float32)
-    reference = Reference(mamba2, shape, 3)
+    reference = Reference(spec, shape, 3)
     slots = torch.tensor([2, 0], dtype=torch.int32, device=DEVICE)
     init = factory.states(2, tuple(module.STATE_SHAPE))
     module.load(state, slots, init)
