@@ -106,11 +106,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="tune", type=Path, help="records folder (default: tune)")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="stop starting trials after this long; each search gets an equal share of the time left")
     p.add_argument("--seed", type=int, default=0, help="sampler seed (default: 0)")
+    p.add_argument("--recorded", type=int, default=0, metavar="K", help=(
+        "search nothing: time again the K fastest configs the records in OUT hold for each search, those of earlier kernel "
+        "code too (re-validates the winners after a kernel change); --fix NAME=VALUE sets that parameter in them"))
     p.add_argument("--retime", action="store_true", help=(
-        "with --exhaustive, time every candidate again even where OUT holds its trial (crashed ones excepted); the new trial "
-        "supersedes the old one in the records"))
+        "with --exhaustive or --recorded, time every candidate again even where OUT holds its trial (crashed ones excepted); "
+        "the new trial supersedes the old one in the records"))
     p.add_argument("--compile-workers", type=int, default=None, metavar="N", help=(
-        "with --exhaustive, processes that compile each search's candidates ahead of the GPU (default: the CPUs less two; 0: off)"))
+        "with --exhaustive or --recorded, processes that compile each search's candidates ahead of the GPU (default: the CPUs "
+        "less two; 0: off)"))
 
     p = sub.add_parser("list", help="specs, their shapes, and GPUs with tuning records", description="List the specs in SPECS_DIR with their shapes, and the GPUs that have tuning records in TUNE_DIR.")
     p.add_argument("--specs-dir", default="specs", type=Path)
@@ -395,8 +399,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise ReplaygenError(f"--kernels takes {','.join(k.value for k in TUNABLE)}, got '{args.kernels}'")
     if args.trials < 1:
         raise ReplaygenError(f"--trials must be positive, got {args.trials}")
-    if args.retime and not args.exhaustive:
-        raise ReplaygenError("--retime needs --exhaustive (an Optuna search steers by the values its journal already holds)")
+    if args.recorded < 0:
+        raise ReplaygenError(f"--recorded must be positive, got {args.recorded}")
+    if args.recorded and args.exhaustive:
+        raise ReplaygenError("--recorded and --exhaustive exclude each other (the first times recorded configs, the second every candidate)")
+    if args.retime and not (args.exhaustive or args.recorded):
+        raise ReplaygenError("--retime needs --exhaustive or --recorded (an Optuna search steers by the values its journal already holds)")
     if args.compile_workers is not None and args.compile_workers < 0:
         raise ReplaygenError(f"--compile-workers must be 0 or more, got {args.compile_workers}")
     fixed = []
@@ -420,6 +428,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         seed=args.seed,
         compile_workers=args.compile_workers,
         retime=args.retime,
+        recorded=args.recorded,
     )
     return 0
 

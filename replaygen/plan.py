@@ -75,6 +75,7 @@ class ModulePlan:
     has_skip: bool
     has_gate: bool
     gate_optional: bool
+    fold_leftovers_in_memory: bool  # flush-every-step decode: see leftovers_in_memory
     # API
     step_inputs: tuple[TensorArg, ...]
     weights: tuple[TensorArg, ...]
@@ -134,10 +135,21 @@ def plan_module(
         has_skip=spec.readout.skip is not None,
         has_gate=spec.readout.gate is not None,
         gate_optional=spec.readout.gate is not None and spec.readout.gate.optional,
+        fold_leftovers_in_memory=leftovers_in_memory(spec),
         step_inputs=step_inputs,
         weights=weights,
         buffers=_buffers(spec, shape),
     )
+
+
+def leftovers_in_memory(spec: Spec) -> bool:
+    """How flush-every-step decode (flush_at=1) folds entries that a larger flush_at left in a row's buffer: into the
+    checkpoint in memory before the step (True: the fold's registers end there, so the step's path is the baseline's,
+    and the step's inputs load after the check), or in registers on the step's path. Measured on the H100/H200
+    (docs/perf.md entry 24): in memory brings Mamba-2 at batch 1-8 from 0.90-0.94x of the baseline to 0.97-1.02x;
+    where the step normalizes its key and query (GDN), the normalization then waits for the check and the step runs at
+    0.85-0.92x, against 0.96-1.0x in registers."""
+    return not (spec.key.transform is VectorTransform.L2NORM or spec.query.transform is VectorTransform.L2NORM)
 
 
 def api_tensors(spec: Spec, shape: TargetShape) -> tuple[tuple[TensorArg, ...], tuple[TensorArg, ...]]:

@@ -89,7 +89,11 @@ def step_inputs(batch, seed, act=torch.float32):
     }
 
 
-WEIGHTS = {"A_log": torch.zeros(SMALL.heads), "dt_bias": torch.full((SMALL.heads,), -2.0), "D": torch.ones(SMALL.heads)}
+WEIGHTS = {
+    "A_log": torch.zeros(SMALL.heads, device=DEVICE),
+    "dt_bias": torch.full((SMALL.heads,), -2.0, device=DEVICE),
+    "D": torch.ones(SMALL.heads, device=DEVICE),
+}
 
 
 def test_load_then_materialize_round_trip(small):
@@ -162,7 +166,7 @@ class TestApiErrors:
 
     def test_weight_shape(self, small):
         state = small.allocate(2, DEVICE, torch.float32)
-        weights = dict(WEIGHTS, D=torch.ones(3))
+        weights = dict(WEIGHTS, D=torch.ones(3, device=DEVICE))
         with pytest.raises(ValueError, match="D has shape"):
             small.decode(state, torch.zeros(2, dtype=torch.int32, device=DEVICE), **step_inputs(2, 0), **weights)
 

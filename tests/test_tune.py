@@ -500,11 +500,11 @@ class FakeGPU:
         return Evaluator(checker=self.checker, timer=self.timer, loader=lambda candidate: types.SimpleNamespace(), health=self.health)
 
 
-def run(mamba2, tmp_path, kinds, batches, *, trials=12, mode=Mode.OPTUNA, fixed=(), fake=None, seed=0, storage=None, warm=None, retime=False):
+def run(mamba2, tmp_path, kinds, batches, *, trials=12, mode=Mode.OPTUNA, fixed=(), fake=None, seed=0, storage=None, warm=None, retime=False, recorded=1):
     shape = mamba2.shape("nemotron-h")
     fake = fake or FakeGPU()
     store = RecordStore(record_path(tmp_path, "h100", mamba2, shape), spec="mamba2", shape=shape.name, gpu="h100")
-    settings = TuneSettings(trials=trials, mode=mode, journal=tmp_path / "h100" / "optuna.journal", seed=seed, storage=storage, retime=retime)
+    settings = TuneSettings(trials=trials, mode=mode, journal=tmp_path / "h100" / "optuna.journal", seed=seed, storage=storage, retime=retime, recorded=recorded)
     results = tune(
         plan_tasks(mamba2, (shape,), kinds, batches, fixed),
         evaluator_for=fake.evaluator,
@@ -809,7 +809,14 @@ def test_tune_command_end_to_end_on_a_fake_gpu(tmp_path, monkeypatch, capsys):
     assert main(["tune", spec_file, "--exhaustive", "--compile-workers", "-1"]) == 2
     assert "--compile-workers must be 0 or more" in capsys.readouterr().err
     assert main(["tune", spec_file, "--retime"]) == 2
-    assert "--retime needs --exhaustive" in capsys.readouterr().err
+    assert "--retime needs --exhaustive or --recorded" in capsys.readouterr().err
+    assert main(["tune", spec_file, "--recorded", "2", "--exhaustive"]) == 2
+    assert "--recorded and --exhaustive exclude each other" in capsys.readouterr().err
+    assert main(["tune", spec_file, "--recorded", "-1"]) == 2
+    assert "--recorded must be positive" in capsys.readouterr().err
+    args = ["tune", spec_file, "--shape", "nemotron-h", "--kernels", "replay_decode", "--batch", "1,64", "--recorded", "1", "--compile-workers", "0", "--out", str(out)]
+    assert main(args) == 0
+    assert "the 1 fastest recorded configs each, timed again" in capsys.readouterr().out
     assert main(["tune", spec_file, "--shape", "nemotron-h", "--kernels", "baseline_decode", "--fix", "flush_at=3", "--out", str(out)]) == 2
     assert "--fix flush_at=3" in capsys.readouterr().err
 
@@ -834,6 +841,33 @@ def test_replay_search_starts_from_the_baselines_step_in_its_best_launch_shape(m
     assert replay_trials[:3] == [replay.default.config, seed, replace(seed, evict_state=not best.evict_state)]
     alone, store_alone, _ = run(mamba2, tmp_path / "alone", (RD,), (8,), trials=4)
     assert seed not in [t.config for t in store_alone.trials][:3]  # no baseline recorded: no such seed
+
+
+def as_earlier_code(trials):
+    """The trials as if timed on kernel code that has changed since (another kernel key)."""
+    return [replace(t, id=uuid.uuid4().hex, key=replace(t.key, source_sha256=t.key.source_sha256[::-1])) for t in trials]
+
+
+def test_recorded_mode_times_the_fastest_recorded_configs_of_earlier_code_again(mamba2, tmp_path):
+    fixed = (("route", "output_only"), ("fused_flush", "True"), ("fold_dot", "False"), ("max_registers", "0"), ("precompute_scores", "False"),
+             ("overlap_scores", "False"), ("fold_chunk", "1"), ("evict_state", "False"), ("num_warps", "4"), ("block_v", "32"))
+    first, store, _ = run(mamba2, tmp_path / "old", (RD,), (8,), mode=Mode.EXHAUSTIVE, fixed=fixed)
+    old = sorted((t for t in store.trials if math.isfinite(t.value)), key=lambda t: (t.value, sorted(t.config.as_dict().items())))
+    shape = mamba2.shape("nemotron-h")
+    write(tmp_path / "new", mamba2, shape, as_earlier_code(store.trials))
+    results, new_store, fake = run(mamba2, tmp_path / "new", (RD,), (8,), mode=Mode.RECORDED, recorded=2)
+    assert [c for c, _ in fake.timed] == [old[0].config, old[1].config]  # the two fastest, nothing searched
+    assert results[0].measured == 2 and results[0].best.config == old[0].config
+    again, _, fake = run(mamba2, tmp_path / "new", (RD,), (8,), mode=Mode.RECORDED, recorded=2)
+    assert again[0].measured == 0 and not fake.timed  # timed under this code already: taken from the records
+    fixed, _, fake = run(mamba2, tmp_path / "new", (RD,), (8,), mode=Mode.RECORDED, recorded=1, fixed=(("evict_state", "True"),))
+    assert [c for c, _ in fake.timed] == [replace(old[0].config, evict_state=True)]  # --fix sets its parameter in them
+
+
+def test_recorded_mode_without_records_times_nothing(mamba2, tmp_path, caplog):
+    results, store, fake = run(mamba2, tmp_path, (RD,), (8,), mode=Mode.RECORDED, recorded=3)
+    assert not fake.timed and results[0].best is None and not store.trials
+    assert "no passing trial" in caplog.text
 
 
 def test_kinds_with_the_same_module_are_measured_separately(mamba2, tmp_path):

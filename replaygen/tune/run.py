@@ -57,8 +57,10 @@ def run_tune(
     seed: int,
     compile_workers: int | None = None,
     retime: bool = False,
+    recorded: int = 0,
 ) -> list[SearchResult]:
-    """Tune on the current CUDA device; records go to out_dir/<gpu>/, the summary to stdout."""
+    """Tune on the current CUDA device; records go to out_dir/<gpu>/, the summary to stdout. `recorded` > 0 times
+    that many recorded configs per search again instead of searching (study.Mode.RECORDED)."""
     import torch
 
     device = torch.device("cuda")
@@ -70,21 +72,22 @@ def run_tune(
     environment = current_environment(gpu, device)
     settings = TuneSettings(
         trials=trials,
-        mode=Mode.EXHAUSTIVE if exhaustive else Mode.OPTUNA,
+        mode=Mode.RECORDED if recorded else Mode.EXHAUSTIVE if exhaustive else Mode.OPTUNA,
         storage=storage,
         journal=Path(out_dir) / gpu / JOURNAL_NAME,
         seed=seed,
         activation_dtype=dtype_name,
         retime=retime,
+        recorded=recorded or 1,
     )
     tasks = plan_tasks(spec, shapes, kinds, batches, fixed)
     stores = {shape.name: RecordStore(record_path(out_dir, gpu, spec, shape), spec=spec.name, shape=shape.name, gpu=gpu) for shape in shapes}
     print(
         f"tuning {spec.name} on {environment.device_name} (sm {environment.compute_capability}, triton {environment.triton}) as '{gpu}', "
-        f"{dtype_name}: {len(tasks)} searches, {'exhaustive' if exhaustive else f'{trials} Optuna trials each'}",
+        f"{dtype_name}: {len(tasks)} searches, {_mode_text(settings)}",
         flush=True,
     )
-    warmer = cache_warmer(environment.compute_capability, dtype_name, compile_workers) if exhaustive else None
+    warmer = cache_warmer(environment.compute_capability, dtype_name, compile_workers) if settings.mode is not Mode.OPTUNA else None
     try:
         results = tune(
             tasks,
@@ -92,7 +95,7 @@ def run_tune(
             store_for=lambda shape: stores[shape.name],
             environment=environment,
             settings=settings,
-            progress=LineProgress(sys.stderr, None if exhaustive else trials),
+            progress=LineProgress(sys.stderr, trials if settings.mode is Mode.OPTUNA else None),
             timeout_s=timeout_s,
             warm=warmer,
         )
@@ -104,3 +107,9 @@ def run_tune(
         print(f"records: {store.path} ({len(store.trials)} trials)")
     print(f"next: replaygen build {spec.source_file} --gpu {gpu} --tune-dir {out_dir}")
     return results
+
+
+def _mode_text(settings: TuneSettings) -> str:
+    if settings.mode is Mode.RECORDED:
+        return f"the {settings.recorded} fastest recorded configs each, timed again"
+    return "exhaustive" if settings.mode is Mode.EXHAUSTIVE else f"{settings.trials} Optuna trials each"

@@ -148,6 +148,13 @@ class SearchSpace:
         raw = config.as_dict()
         return all(raw[p.name] in p.choices for p in self.parameters)
 
+    def fit(self, config: KernelConfig) -> KernelConfig:
+        """`config` with every parameter that has one choice (fixed by the kind, or by --fix) set to it."""
+        fixed = {p.name: p.choices[0] for p in self.parameters if len(p.choices) == 1}
+        if "route" in fixed:
+            fixed["route"] = Route(fixed["route"])
+        return replace(config, **fixed)
+
     def points(self) -> Iterator[KernelConfig]:
         """Every point, pruned or not, in a fixed order."""
         names = [p.name for p in self.parameters]

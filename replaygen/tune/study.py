@@ -17,6 +17,9 @@ integers, flush_at and num_stages as integers, the route as a category) through 
   batch and dtype; OK, WRONG or CRASHED) is not measured again: its recorded value is told.
 
 Exhaustive mode times every candidate of the space, in order, without Optuna.
+
+Recorded mode searches nothing: it times again the fastest configs the records hold for each search, those of
+earlier kernel code included, so a kernel change is re-validated by timing its winners instead of a search.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ log = logging.getLogger(__name__)
 
 JOURNAL_NAME = "optuna.journal"
 EXHAUSTIVE_STUDY = "exhaustive"
+RECORDED_STUDY = "recorded"
 MAX_IDLE_PROPOSALS = 200
 # Recorded outcomes a later run takes as they are; other failures (compile errors, out of resources) are tried again.
 REUSED_STATUSES = frozenset({TrialStatus.OK, TrialStatus.WRONG, TrialStatus.CRASHED})
@@ -57,6 +61,7 @@ REUSED_STATUSES = frozenset({TrialStatus.OK, TrialStatus.WRONG, TrialStatus.CRAS
 class Mode(enum.Enum):
     OPTUNA = "optuna"
     EXHAUSTIVE = "exhaustive"
+    RECORDED = "recorded"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,7 +72,8 @@ class TuneSettings:
     journal: Path | None = None  # the journal file when storage is None
     seed: int = 0
     activation_dtype: str = "bfloat16"
-    retime: bool = False  # exhaustive mode: time every candidate again instead of reusing the records' trials
+    retime: bool = False  # exhaustive and recorded modes: time every candidate again instead of reusing the records' trials
+    recorded: int = 1  # recorded mode: the fastest recorded configs timed per search
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -219,8 +225,28 @@ class Tuner:
 
     def search(self, task: SearchTask, deadline: float | None = None) -> SearchResult:
         if self.settings.mode is Mode.EXHAUSTIVE:
-            return self._exhaustive(task, deadline)
+            return self._exhaustive(task, deadline, task.space.candidates(), EXHAUSTIVE_STUDY)
+        if self.settings.mode is Mode.RECORDED:
+            return self._exhaustive(task, deadline, self._recorded(task), RECORDED_STUDY)
         return self._optuna(task, deadline)
+
+    def _recorded(self, task: SearchTask) -> tuple[KernelConfig, ...]:
+        """The `settings.recorded` fastest distinct configs of the task's kernel and batch among the records' passing
+        trials (of any kernel code), fitted to the space (SearchSpace.fit); those it prunes are left out."""
+        trials = sorted(
+            (t for t in self._comparable_trials() if t.key.kind is task.kind and t.batch == task.batch and math.isfinite(t.value)),
+            key=_rank,
+        )
+        chosen: list[KernelConfig] = []
+        for trial in trials:
+            config = task.space.fit(trial.config)
+            if config not in chosen and task.space.contains(config) and task.space.prune_reason(config) is None:
+                chosen.append(config)
+            if len(chosen) == self.settings.recorded:
+                break
+        if not chosen:
+            log.warning("%s: the records hold no passing trial to time again", task.label)
+        return tuple(chosen)
 
     def _measure(self, task: SearchTask, config: KernelConfig, study: str) -> tuple[TrialRecord, bool]:
         """The trial of `config` at the task's batch: from the records if known, else timed and saved."""
@@ -269,22 +295,22 @@ class Tuner:
         shape = KernelConfig(block_v=best.block_v, num_warps=best.num_warps, flush_at=1, fold_chunk=1)
         return tuple(replace(shape, evict_state=evict) for evict in (best.evict_state, not best.evict_state))
 
-    def _exhaustive(self, task: SearchTask, deadline: float | None) -> SearchResult:
+    def _exhaustive(self, task: SearchTask, deadline: float | None, candidates: tuple[KernelConfig, ...], study: str) -> SearchResult:
+        """Time `candidates` in order (every candidate of the space, or the recorded ones)."""
         results: dict[KernelConfig, TrialRecord] = {}
         measured = 0
-        candidates = task.space.candidates()
         if self.warm is not None:
             self.warm(task, candidates)
         for config in candidates:
             if deadline is not None and results and time.monotonic() > deadline:
                 log.warning("%s: time is up after %d of %d candidates", task.label, len(results), len(candidates))
                 break
-            record, reused = self._measure(task, config, EXHAUSTIVE_STUDY)
+            record, reused = self._measure(task, config, study)
             results[config] = record
             measured += not reused
             self.progress.trial(task, len(results), record, reused, _best(results))
-        pruned = sum(1 for c in task.space.points() if task.space.prune_reason(c) is not None)
-        return self._result(task, Mode.EXHAUSTIVE, EXHAUSTIVE_STUDY, results, len(results), measured, pruned)
+        pruned = sum(1 for c in task.space.points() if task.space.prune_reason(c) is not None) if study == EXHAUSTIVE_STUDY else 0
+        return self._result(task, self.settings.mode, study, results, len(results), measured, pruned)
 
     def _optuna(self, task: SearchTask, deadline: float | None) -> SearchResult:
         space = task.space
@@ -368,9 +394,14 @@ def _sampler(settings: TuneSettings, previous_trials: int) -> optuna.samplers.Ba
         )
 
 
+def _rank(record: TrialRecord) -> tuple[float, list[tuple[str, object]]]:
+    """Faster first; ties in a fixed order."""
+    return record.value, sorted(record.config.as_dict().items())
+
+
 def _best(results: dict[KernelConfig, TrialRecord]) -> TrialRecord | None:
     passing = [r for r in results.values() if math.isfinite(r.value)]
-    return min(passing, key=lambda r: (r.value, sorted(r.config.as_dict().items()))) if passing else None
+    return min(passing, key=_rank) if passing else None
 
 
 def tune(
