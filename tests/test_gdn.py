@@ -148,10 +148,11 @@ def test_exactly_one_of_preactivation_and_direct_gate():
     module = load_kernels(spec, SHAPE)
     state = module.allocate(1, DEVICE, torch.float32)
     h, g, v, k = SHAPE.heads, SHAPE.key_heads, SHAPE.value_dim, SHAPE.key_dim
-    args = dict(v=torch.randn(1, h, v), k=torch.randn(1, g, k), q=torch.randn(1, g, k), b=torch.randn(1, h),
-                A_log=torch.zeros(h), dt_bias=torch.zeros(h))
+    args = dict(v=torch.randn(1, h, v), k=torch.randn(1, g, k), q=torch.randn(1, g, k), b=torch.randn(1, h), A_log=torch.zeros(h), dt_bias=torch.zeros(h),
+                a=torch.randn(1, h), g=-torch.rand(1, h))
+    args = {name: t.to(DEVICE) for name, t in args.items()}
     with pytest.raises(ValueError, match="pass exactly one of a .pre-activation. and g"):
-        module.decode(state, torch.zeros(1, dtype=torch.int32), **args, a=torch.randn(1, h), g=-torch.rand(1, h))
+        module.decode(state, torch.zeros(1, dtype=torch.int32, device=DEVICE), **args)
 
 
 def test_per_channel_decay_kda_style():

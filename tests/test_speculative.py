@@ -143,8 +143,9 @@ class TestApiErrors:
         h, g, p, n = SPEC_SHAPE.heads, SPEC_SHAPE.key_heads, SPEC_SHAPE.value_dim, SPEC_SHAPE.key_dim
         x = torch.randn(1, 5, h, p, device=DEVICE)
         with pytest.raises(ValueError, match="a window holds 1..4 tokens"):
-            kernels.verify(state, torch.zeros(1, dtype=torch.int32, device=DEVICE), x=x, B=torch.randn(1, 5, g, n), C=torch.randn(1, 5, g, n),
-                           dt=torch.randn(1, 5, h), A_log=torch.zeros(h), dt_bias=torch.zeros(h), D=torch.zeros(h))
+            kernels.verify(state, torch.zeros(1, dtype=torch.int32, device=DEVICE), x=x, B=torch.randn(1, 5, g, n, device=DEVICE),
+                           C=torch.randn(1, 5, g, n, device=DEVICE), dt=torch.randn(1, 5, h, device=DEVICE), A_log=torch.zeros(h, device=DEVICE),
+                           dt_bias=torch.zeros(h, device=DEVICE), D=torch.zeros(h, device=DEVICE))
 
     def test_accepted_dtype(self, kernels):
         state = kernels.allocate(1, DEVICE, torch.float32)
