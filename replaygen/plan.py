@@ -145,10 +145,10 @@ def plan_module(
 def leftovers_in_memory(spec: Spec) -> bool:
     """How flush-every-step decode (flush_at=1) folds entries that a larger flush_at left in a row's buffer: into the
     checkpoint in memory before the step (True: the fold's registers end there, so the step's path is the baseline's,
-    and the step's inputs load after the check), or in registers on the step's path. Measured on the H100/H200
-    (docs/perf.md entry 24): in memory brings Mamba-2 at batch 1-8 from 0.90-0.94x of the baseline to 0.97-1.02x;
-    where the step normalizes its key and query (GDN), the normalization then waits for the check and the step runs at
-    0.85-0.92x, against 0.96-1.0x in registers."""
+    and the step's inputs load after the check), or in registers on the step's path. Measured (docs/perf.md entry 24):
+    in memory brings Mamba-2 at batch 1-8 from 0.91-0.98x of the baseline to 0.96-1.07x (H100); where the step
+    normalizes its key and query (GDN), the normalization then waits for the check and the step runs at 0.85-0.92x,
+    against 0.96-1.0x in registers (H200), and loading the inputs before the check does not help it either (H100)."""
     return not (spec.key.transform is VectorTransform.L2NORM or spec.query.transform is VectorTransform.L2NORM)
 
 
