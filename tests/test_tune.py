@@ -435,6 +435,22 @@ def test_mismatched_records_are_never_applied_silently(mamba2, tmp_path, monkeyp
         resolve_configs(mamba2, shape, "h100", tune_dir)
 
 
+def test_batch_sizes_whose_trials_all_went_stale_stop_the_build(mamba2, tmp_path):
+    """A kernel re-timed at some batch sizes only (e.g. `tune --recorded` on a few buckets after a kernel change) must not
+    let its other tuned sizes silently run a neighbouring bucket's config."""
+    shape = mamba2.shape("nemotron-h")
+    small, large = KernelConfig(block_v=16, num_warps=8, flush_at=1), KernelConfig(block_v=32, num_warps=1, flush_at=16)
+    earlier = trial(mamba2, shape, RD, large, 512, 0.8)
+    earlier = replace(earlier, key=replace(earlier.key, source_sha256="0" * 64))
+    tune_dir = tmp_path / "tune"
+    write(tune_dir, mamba2, shape, [trial(mamba2, shape, RD, small, 1, 0.005), earlier])
+    with pytest.raises(TuningRecordError, match=r"(?s)no trial applies any more: replay_decode at batch 512 .*--kernels replay_decode --batch 512 --recorded 3"):
+        resolve_configs(mamba2, shape, "h100", tune_dir)
+    allowed = resolve_configs(mamba2, shape, "h100", tune_dir, allow_default=True)
+    assert allowed.configs[RD] == (rec.BucketConfig(None, small),)
+    assert any("replay_decode at batch 512: a neighbouring tuned bucket's config (--allow-default)" in n for n in allowed.notes)
+
+
 def test_a_winner_that_no_longer_validates_is_skipped(mamba2, tmp_path, monkeypatch):
     import replaygen.plan
 

@@ -97,6 +97,7 @@ class _KindPick:
     winners: dict[int, TrialRecord] = field(default_factory=dict)  # batch -> trial
     skipped: Counter = field(default_factory=Counter)  # (reason, detail) -> trials left out
     accepted: Counter = field(default_factory=Counter)  # soft (reason, detail) -> winners applied anyway
+    uncovered: set[int] = field(default_factory=set)  # batch sizes with passing trials, none of which applies
 
 
 def resolve_configs(
@@ -127,6 +128,7 @@ def resolve_configs(
     notes = []
     defaulted = sorted(k.value for k in KernelKind if k not in TUNABLE_KINDS)
     stale = []
+    partial: list[tuple[KernelKind, list[int]]] = []  # kinds tuned at some batch sizes whose other tuned sizes went stale
     for kind in TUNABLE_KINDS:
         pick = _pick(records, kind, target, accept_env_mismatch)
         for (reason, detail), count in sorted(pick.skipped.items(), key=lambda item: item[0][0].name):
@@ -137,6 +139,8 @@ def resolve_configs(
             configs[kind] = dispatch_table({batch: t.config for batch, t in pick.winners.items()})
             buckets = ", ".join(f"b{batch}: {t.value:.4f} ms" for batch, t in sorted(pick.winners.items()))
             notes.append(f"{kind.value}: tuned ({buckets})")
+            if pick.uncovered:
+                partial.append((kind, sorted(pick.uncovered)))
         elif pick.skipped:
             stale.append(kind.value)
         else:
@@ -146,10 +150,23 @@ def resolve_configs(
         if not allow_default:
             raise TuningRecordError(
                 f"{path}: no trial of {', '.join(stale)} applies here:\n  " + "\n  ".join(notes)
-                + "\nre-run `replaygen tune` on that GPU, or pass --allow-default to build those kernels with the documented defaults"
+                + f"\nre-run `replaygen tune` on that GPU (after a kernel change, `replaygen tune {spec.source_file} --shape {shape.name} --kernels "
+                f"{','.join(stale)} --recorded 3` times the recorded winners again), or pass --allow-default to build those kernels with the "
+                "documented defaults"
             )
         defaulted += stale
         notes += [f"{kind}: documented defaults (--allow-default)" for kind in stale]
+    if partial:
+        lines = [f"{kind.value} at batch {', '.join(map(str, batches))}" for kind, batches in partial]
+        if not allow_default:
+            raise TuningRecordError(
+                f"{path}: tuned batch sizes where no trial applies any more: {'; '.join(lines)} (their buckets would silently run a "
+                f"neighbouring bucket's config):\n  " + "\n  ".join(notes)
+                + f"\ntime their recorded winners again with `replaygen tune {spec.source_file} --shape {shape.name} --kernels "
+                f"{','.join(kind.value for kind, _ in partial)} --batch {','.join(map(str, sorted({b for _, batches in partial for b in batches})))} "
+                "--recorded 3` on that GPU, or pass --allow-default to build them with a neighbouring tuned bucket's config"
+            )
+        notes += [f"{line}: a neighbouring tuned bucket's config (--allow-default)" for line in lines]
     source = label + (f"; defaults for {', '.join(sorted(defaulted))}" if defaulted else "")
     return Resolved(configs=configs, source=source, notes=tuple(notes))
 
@@ -182,6 +199,8 @@ def _pick(records: RecordFile, kind: KernelKind, target: BuildTarget, accept_env
             pick.accepted.update(found)
             pick.winners[batch] = trial
             break
+    tuned = {t.batch for t in records.trials if t.key.kind is kind and t.status is TrialStatus.OK and t.timing is not None}
+    pick.uncovered = tuned - set(pick.winners)
     return pick
 
 
