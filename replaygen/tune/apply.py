@@ -13,7 +13,8 @@ Every trial left out is reported with its file and reason. A batch size that was
 becomes the upper edge of a bucket (the largest tuned one is open-ended); neighbouring buckets
 with one winner merge. Kernels the file never tuned (materialize, load and commit always) keep
 their documented defaults, and the build says so; a kernel whose trials all fail to apply
-needs --allow-default.
+needs --allow-default, and so does one with winners at some tuned batch sizes and none at others
+(those would run a neighbouring bucket's config).
 """
 
 from __future__ import annotations
