@@ -5,6 +5,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from replaygen import plan
 from replaygen.configs import BucketConfig, KernelConfig, KernelKind
 from replaygen.harness import InputFactory, check_decode, relative_error
 from replaygen.reference import Reference
@@ -212,7 +213,21 @@ def test_flush_threshold_changes_between_steps(spec_file, config):
     """Batch buckets pick their own flush_at (1 = the baseline's step on the checkpoint), so one sequence sees
     thresholds change from step to step: entries left by a larger threshold must still be folded (the delta rule's
     corrected values too)."""
+    run_threshold_schedule(load_spec(ROOT / "specs" / spec_file), config)
+
+
+@pytest.mark.parametrize("spec_file", ["mamba2.yaml", "gdn.yaml"])
+def test_leftovers_folded_the_other_way(spec_file, monkeypatch):
+    """The plan folds a flush-every-step row's leftover entries in memory or in registers, one way per spec
+    (plan.leftovers_in_memory); the way each spec does not ship is kept correct too."""
     spec = load_spec(ROOT / "specs" / spec_file)
+    shipped = plan.leftovers_in_memory(spec)
+    monkeypatch.setattr(plan, "leftovers_in_memory", lambda spec: not shipped)
+    run_threshold_schedule(spec, dict(block_v=8))
+
+
+def run_threshold_schedule(spec, config):
+    """Decode with flush_at changing from step to step, against the reference (outputs and states after every step)."""
     shape = replace(SMALL, value_dim=16, capacity=6, window=1)
     module = load_kernels(spec, shape, {KernelKind.REPLAY_DECODE: (BucketConfig(None, KernelConfig(**config)),)})
     factory = InputFactory(spec, shape, DEVICE, torch.float32, seed=5)
