@@ -881,8 +881,9 @@ def test_recorded_mode_times_the_fastest_recorded_configs_of_earlier_code_again(
 
 
 def test_recorded_mode_without_records_times_nothing(mamba2, tmp_path, caplog):
-    results, store, fake = run(mamba2, tmp_path, (RD,), (8,), mode=Mode.RECORDED, recorded=3)
-    assert not fake.timed and results[0].best is None and not store.trials
+    told = []
+    results, store, fake = run(mamba2, tmp_path, (RD,), (8,), mode=Mode.RECORDED, recorded=3, warm=lambda task, configs: told.append(configs))
+    assert not fake.timed and not told and results[0].best is None and not store.trials
     assert "no passing trial" in caplog.text
 
 

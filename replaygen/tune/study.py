@@ -299,7 +299,7 @@ class Tuner:
         """Time `candidates` in order (every candidate of the space, or the recorded ones)."""
         results: dict[KernelConfig, TrialRecord] = {}
         measured = 0
-        if self.warm is not None:
+        if self.warm is not None and candidates:
             self.warm(task, candidates)
         for config in candidates:
             if deadline is not None and results and time.monotonic() > deadline:
