@@ -28,7 +28,7 @@ from replaygen import __version__
 from replaygen.configs import BucketConfig, KernelConfig, KernelKind, module_defaults
 from replaygen.errors import TuningRecordError, UnsupportedShapeError
 from replaygen.spec.model import Spec, TargetShape
-from replaygen.tune.records import RecordFile, TrialRecord, TrialStatus, latest_trials, read_records, record_path, render_candidate, shape_sha256, spec_content_sha256
+from replaygen.tune.records import RecordFile, TrialRecord, TrialStatus, latest_trials, read_records, record_path, render_candidate, shape_sha256, spec_content_sha256, speed_rank
 from replaygen.tune.space import TUNABLE_KINDS
 
 
@@ -187,7 +187,7 @@ def _pick(records: RecordFile, kind: KernelKind, target: BuildTarget, accept_env
             eligible.setdefault(trial.batch, []).append((trial, found))
     current: dict[KernelConfig, tuple[str | None, str]] = {}
     for batch, entries in sorted(eligible.items()):
-        for trial, found in sorted(entries, key=lambda entry: (entry[0].value, sorted(entry[0].config.as_dict().items()))):
+        for trial, found in sorted(entries, key=lambda entry: speed_rank(entry[0])):
             if trial.config not in current:
                 current[trial.config] = _source_now(target, kind, trial.config)
             sha, why = current[trial.config]

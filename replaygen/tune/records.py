@@ -292,6 +292,11 @@ def latest_trials(trials: tuple[TrialRecord, ...] | list[TrialRecord]) -> list[T
     return list(last.values())
 
 
+def speed_rank(trial: TrialRecord) -> tuple[float, list[tuple[str, object]]]:
+    """Sort key of trials: faster first, ties in a fixed order (by config)."""
+    return trial.value, sorted(trial.config.as_dict().items())
+
+
 @dataclass(frozen=True, kw_only=True)
 class RecordFile:
     """The trials of one spec and shape on one GPU."""

@@ -45,7 +45,7 @@ from replaygen.configs import KernelConfig, KernelKind
 from replaygen.errors import ReplaygenError
 from replaygen.spec.model import DecayGranularity, Spec, TargetShape
 from replaygen.tune.objective import Evaluator, TuneAborted
-from replaygen.tune.records import Environment, RecordStore, TrialRecord, TrialStatus, canonical_sha256, latest_trials, render_candidate, spec_content_sha256
+from replaygen.tune.records import Environment, RecordStore, TrialRecord, TrialStatus, canonical_sha256, latest_trials, render_candidate, spec_content_sha256, speed_rank
 from replaygen.tune.space import Scale, SearchSpace, derive_space
 
 log = logging.getLogger(__name__)
@@ -235,7 +235,7 @@ class Tuner:
         trials (of any kernel code), fitted to the space (SearchSpace.fit); those it prunes are left out."""
         trials = sorted(
             (t for t in self._comparable_trials() if t.key.kind is task.kind and t.batch == task.batch and math.isfinite(t.value)),
-            key=_rank,
+            key=speed_rank,
         )
         chosen: list[KernelConfig] = []
         for trial in trials:
@@ -394,14 +394,9 @@ def _sampler(settings: TuneSettings, previous_trials: int) -> optuna.samplers.Ba
         )
 
 
-def _rank(record: TrialRecord) -> tuple[float, list[tuple[str, object]]]:
-    """Faster first; ties in a fixed order."""
-    return record.value, sorted(record.config.as_dict().items())
-
-
 def _best(results: dict[KernelConfig, TrialRecord]) -> TrialRecord | None:
     passing = [r for r in results.values() if math.isfinite(r.value)]
-    return min(passing, key=_rank) if passing else None
+    return min(passing, key=speed_rank) if passing else None
 
 
 def tune(
