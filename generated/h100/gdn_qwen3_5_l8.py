@@ -206,7 +206,26 @@
 #    [
 #     4,
 #     {
-#      "block_v": 16,
+#      "block_v": 8,
+#      "evict_state": true,
+#      "flush_at": 1,
+#      "fold_chunk": 1,
+#      "fold_dot": false,
+#      "fused_flush": true,
+#      "max_registers": 0,
+#      "num_stages": 1,
+#      "num_warps": 2,
+#      "overlap_scores": false,
+#      "precompute_scores": false,
+#      "prefetch_ring": true,
+#      "readout_dot": false,
+#      "route": "output_only"
+#     }
+#    ],
+#    [
+#     8,
+#     {
+#      "block_v": 32,
 #      "evict_state": true,
 #      "flush_at": 1,
 #      "fold_chunk": 1,
@@ -387,7 +406,8 @@ _BASELINE_DECODE_CONFIGS = (
 )
 _REPLAY_DECODE_CONFIGS = (
     (2, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
-    (4, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
+    (4, {'block_v': 8, 'num_warps': 2, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
+    (8, {'block_v': 32, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
     (32, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 8, 'prefetch_ring': False, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True}),
     (None, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 8, 'prefetch_ring': False, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': False, 'overlap_scores': True}),
 )
