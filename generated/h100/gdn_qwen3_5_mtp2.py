@@ -4,36 +4,17 @@
 #  "configs": {
 #   "baseline_decode": [
 #    [
-#     1,
-#     {
-#      "block_v": 16,
-#      "evict_state": false,
-#      "flush_at": 0,
-#      "fold_chunk": 4,
-#      "fold_dot": false,
-#      "fused_flush": true,
-#      "max_registers": 0,
-#      "num_stages": 1,
-#      "num_warps": 4,
-#      "overlap_scores": false,
-#      "precompute_scores": false,
-#      "prefetch_ring": true,
-#      "readout_dot": false,
-#      "route": "output_only"
-#     }
-#    ],
-#    [
 #     2,
 #     {
-#      "block_v": 8,
-#      "evict_state": false,
+#      "block_v": 16,
+#      "evict_state": true,
 #      "flush_at": 0,
 #      "fold_chunk": 4,
 #      "fold_dot": false,
 #      "fused_flush": true,
 #      "max_registers": 0,
 #      "num_stages": 1,
-#      "num_warps": 1,
+#      "num_warps": 8,
 #      "overlap_scores": false,
 #      "precompute_scores": false,
 #      "prefetch_ring": true,
@@ -63,8 +44,8 @@
 #    [
 #     8,
 #     {
-#      "block_v": 8,
-#      "evict_state": false,
+#      "block_v": 32,
+#      "evict_state": true,
 #      "flush_at": 0,
 #      "fold_chunk": 4,
 #      "fold_dot": false,
@@ -231,7 +212,7 @@
 #      "fold_chunk": 1,
 #      "fold_dot": false,
 #      "fused_flush": true,
-#      "max_registers": 128,
+#      "max_registers": 0,
 #      "num_stages": 1,
 #      "num_warps": 8,
 #      "overlap_scores": false,
@@ -244,7 +225,7 @@
 #    [
 #     2,
 #     {
-#      "block_v": 8,
+#      "block_v": 32,
 #      "evict_state": true,
 #      "flush_at": 1,
 #      "fold_chunk": 1,
@@ -252,7 +233,7 @@
 #      "fused_flush": true,
 #      "max_registers": 0,
 #      "num_stages": 1,
-#      "num_warps": 1,
+#      "num_warps": 8,
 #      "overlap_scores": false,
 #      "precompute_scores": false,
 #      "prefetch_ring": true,
@@ -493,16 +474,15 @@ QUERY_SCALE = tl.constexpr(0.08838834764831845)
 
 # Launch configurations per batch bucket: (largest batch size or None, config).
 _BASELINE_DECODE_CONFIGS = (
-    (1, {'block_v': 16, 'num_warps': 4, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': False, 'overlap_scores': False}),
-    (2, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': False, 'overlap_scores': False}),
+    (2, {'block_v': 16, 'num_warps': 8, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
     (4, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
-    (8, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': False, 'overlap_scores': False}),
+    (8, {'block_v': 32, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
     (32, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
     (None, {'block_v': 16, 'num_warps': 4, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': False, 'overlap_scores': False}),
 )
 _REPLAY_DECODE_CONFIGS = (
-    (1, {'block_v': 16, 'num_warps': 8, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 128, 'evict_state': True, 'overlap_scores': False}),
-    (2, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
+    (1, {'block_v': 16, 'num_warps': 8, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
+    (2, {'block_v': 32, 'num_warps': 8, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
     (4, {'block_v': 8, 'num_warps': 2, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
     (8, {'block_v': 32, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
     (32, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 30, 'prefetch_ring': False, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True}),
