@@ -7,14 +7,14 @@
 #     1,
 #     {
 #      "block_v": 16,
-#      "evict_state": false,
+#      "evict_state": true,
 #      "flush_at": 0,
 #      "fold_chunk": 4,
 #      "fold_dot": false,
 #      "fused_flush": true,
 #      "max_registers": 0,
 #      "num_stages": 1,
-#      "num_warps": 4,
+#      "num_warps": 8,
 #      "overlap_scores": false,
 #      "precompute_scores": false,
 #      "prefetch_ring": true,
@@ -44,7 +44,7 @@
 #    [
 #     4,
 #     {
-#      "block_v": 16,
+#      "block_v": 32,
 #      "evict_state": true,
 #      "flush_at": 0,
 #      "fold_chunk": 4,
@@ -52,7 +52,7 @@
 #      "fused_flush": true,
 #      "max_registers": 0,
 #      "num_stages": 1,
-#      "num_warps": 8,
+#      "num_warps": 1,
 #      "overlap_scores": false,
 #      "precompute_scores": false,
 #      "prefetch_ring": true,
@@ -63,7 +63,7 @@
 #    [
 #     8,
 #     {
-#      "block_v": 16,
+#      "block_v": 8,
 #      "evict_state": true,
 #      "flush_at": 0,
 #      "fold_chunk": 4,
@@ -71,7 +71,7 @@
 #      "fused_flush": true,
 #      "max_registers": 0,
 #      "num_stages": 1,
-#      "num_warps": 4,
+#      "num_warps": 8,
 #      "overlap_scores": false,
 #      "precompute_scores": false,
 #      "prefetch_ring": true,
@@ -244,7 +244,7 @@
 #    [
 #     1,
 #     {
-#      "block_v": 32,
+#      "block_v": 16,
 #      "evict_state": true,
 #      "flush_at": 1,
 #      "fold_chunk": 1,
@@ -433,15 +433,15 @@ SCORE_PLANE = tl.constexpr(68)
 
 # Launch configurations per batch bucket: (largest batch size or None, config).
 _BASELINE_DECODE_CONFIGS = (
-    (1, {'block_v': 16, 'num_warps': 4, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': False, 'overlap_scores': False}),
+    (1, {'block_v': 16, 'num_warps': 8, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
     (2, {'block_v': 16, 'num_warps': 4, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
-    (4, {'block_v': 16, 'num_warps': 8, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
-    (8, {'block_v': 16, 'num_warps': 4, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
+    (4, {'block_v': 32, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
+    (8, {'block_v': 8, 'num_warps': 8, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
     (32, {'block_v': 16, 'num_warps': 8, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
     (None, {'block_v': 16, 'num_warps': 4, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': False, 'overlap_scores': False}),
 )
 _REPLAY_DECODE_CONFIGS = (
-    (1, {'block_v': 32, 'num_warps': 8, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
+    (1, {'block_v': 16, 'num_warps': 8, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
     (2, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
     (8, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 30, 'prefetch_ring': False, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True}),
     (None, {'block_v': 32, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 30, 'prefetch_ring': False, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True}),

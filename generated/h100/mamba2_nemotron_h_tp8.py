@@ -4,6 +4,44 @@
 #  "configs": {
 #   "baseline_decode": [
 #    [
+#     1,
+#     {
+#      "block_v": 16,
+#      "evict_state": true,
+#      "flush_at": 0,
+#      "fold_chunk": 4,
+#      "fold_dot": false,
+#      "fused_flush": true,
+#      "max_registers": 0,
+#      "num_stages": 1,
+#      "num_warps": 8,
+#      "overlap_scores": false,
+#      "precompute_scores": false,
+#      "prefetch_ring": true,
+#      "readout_dot": false,
+#      "route": "output_only"
+#     }
+#    ],
+#    [
+#     2,
+#     {
+#      "block_v": 8,
+#      "evict_state": true,
+#      "flush_at": 0,
+#      "fold_chunk": 4,
+#      "fold_dot": false,
+#      "fused_flush": true,
+#      "max_registers": 0,
+#      "num_stages": 1,
+#      "num_warps": 8,
+#      "overlap_scores": false,
+#      "precompute_scores": false,
+#      "prefetch_ring": true,
+#      "readout_dot": false,
+#      "route": "output_only"
+#     }
+#    ],
+#    [
 #     8,
 #     {
 #      "block_v": 16,
@@ -166,7 +204,26 @@
 #   ],
 #   "replay_decode": [
 #    [
-#     2,
+#     1,
+#     {
+#      "block_v": 16,
+#      "evict_state": true,
+#      "flush_at": 1,
+#      "fold_chunk": 1,
+#      "fold_dot": false,
+#      "fused_flush": true,
+#      "max_registers": 128,
+#      "num_stages": 1,
+#      "num_warps": 8,
+#      "overlap_scores": false,
+#      "precompute_scores": false,
+#      "prefetch_ring": true,
+#      "readout_dot": false,
+#      "route": "output_only"
+#     }
+#    ],
+#    [
+#     4,
 #     {
 #      "block_v": 8,
 #      "evict_state": true,
@@ -187,7 +244,7 @@
 #    [
 #     8,
 #     {
-#      "block_v": 16,
+#      "block_v": 32,
 #      "evict_state": true,
 #      "flush_at": 1,
 #      "fold_chunk": 1,
@@ -357,14 +414,17 @@ SCORE_PLANE = tl.constexpr(144)
 
 # Launch configurations per batch bucket: (largest batch size or None, config).
 _BASELINE_DECODE_CONFIGS = (
+    (1, {'block_v': 16, 'num_warps': 8, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
+    (2, {'block_v': 8, 'num_warps': 8, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
     (8, {'block_v': 16, 'num_warps': 8, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
     (128, {'block_v': 8, 'num_warps': 8, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
     (256, {'block_v': 16, 'num_warps': 4, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
     (None, {'block_v': 16, 'num_warps': 4, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': False, 'overlap_scores': False}),
 )
 _REPLAY_DECODE_CONFIGS = (
-    (2, {'block_v': 8, 'num_warps': 8, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
-    (8, {'block_v': 16, 'num_warps': 8, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
+    (1, {'block_v': 16, 'num_warps': 8, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 128, 'evict_state': True, 'overlap_scores': False}),
+    (4, {'block_v': 8, 'num_warps': 8, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
+    (8, {'block_v': 32, 'num_warps': 8, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
     (128, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 16, 'prefetch_ring': False, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True}),
     (None, {'block_v': 32, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 16, 'prefetch_ring': False, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True}),
 )
