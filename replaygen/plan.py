@@ -143,12 +143,14 @@ def plan_module(
 
 
 def leftovers_in_memory(spec: Spec) -> bool:
-    """How flush-every-step decode (flush_at=1) folds entries that a larger flush_at left in a row's buffer: into the
-    checkpoint in memory before the step (True: the fold's registers end there, so the step's path is the baseline's,
-    and the step's inputs load after the check), or in registers on the step's path. Measured (docs/perf.md entry 24):
-    in memory brings Mamba-2 at batch 1-8 from 0.91-0.98x of the baseline to 0.96-1.07x (H100); where the step
-    normalizes its key and query (GDN), the normalization then waits for the check and the step runs at 0.85-0.92x,
-    against 0.96-1.0x in registers (H200), and loading the inputs before the check does not help it either (H100)."""
+    """How flush-every-step decode (flush_at=1) handles entries that a larger flush_at left in a row's buffer. True:
+    they are folded into the checkpoint in memory before the step, whose inputs load after that check (the fold's
+    registers end at its store). False: the step runs as if nothing were buffered, its stores skip such tiles, and
+    an out-of-line function (`_leftover_step`) redoes those tiles with the fold. Measured (docs/perf.md entries 24
+    and 25): in memory brings Mamba-2 at batch 1-8 from 0.91-0.98x of the baseline to 0.96-1.07x (H100). Where the
+    step normalizes its key and query (GDN), the normalization would wait for the check (0.85-0.92x, H200). The
+    out-of-line redo keeps GDN's step ahead of the check, at 1.0-1.03x with the baseline's launch shape at batch
+    1-4 (H100)."""
     return not (spec.key.transform is VectorTransform.L2NORM or spec.query.transform is VectorTransform.L2NORM)
 
 
