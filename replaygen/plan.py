@@ -149,8 +149,8 @@ def leftovers_in_memory(spec: Spec) -> bool:
     an out-of-line function (`_leftover_step`) redoes those tiles with the fold. Measured (docs/perf.md entries 24
     and 25): in memory brings Mamba-2 at batch 1-8 from 0.91-0.98x of the baseline to 0.96-1.07x (H100). Where the
     step normalizes its key and query (GDN), the normalization would wait for the check (0.85-0.92x, H200). The
-    out-of-line redo keeps GDN's step ahead of the check, at 1.0-1.03x with the baseline's launch shape at batch
-    1-4 (H100)."""
+    out-of-line redo keeps GDN's step ahead of the check: 1.00-1.05x of the baseline at batch 1-4 after its own
+    search, on every GDN shape but TP8 at batch 1 (H100)."""
     return not (spec.key.transform is VectorTransform.L2NORM or spec.query.transform is VectorTransform.L2NORM)
 
 
