@@ -3,10 +3,12 @@
 import pytest
 import torch
 
-from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route
-from replaygen.harness import InputFactory, check_speculative
+from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route, bucket_config
+from replaygen.harness import TOLERANCE, InputFactory, check_speculative, relative_error
+from replaygen.reference import Reference
 from replaygen.runtime import load_kernels
 from replaygen.spec import load_spec
+from replaygen.tune.apply import resolve_configs
 
 from conftest import ROOT
 
@@ -130,3 +132,33 @@ def test_check_runs_every_tuned_config(capsys):
     assert main(["check", str(ROOT / "specs" / "mamba2.yaml"), "--shape", "nemotron-h-tp8", "--gpu", "h100", "--tune-dir", str(ROOT / "tune"), "--cycles", "2"]) == 0
     out = capsys.readouterr().out
     assert "configs of h100 bucket 1:" in out and "configs of h100 bucket 2:" in out and "all checks passed" in out
+
+
+@pytest.mark.parametrize("spec_name,shape_name", [("mamba2", "nemotron-h"), ("gdn", "qwen3.5")])
+def test_rows_move_from_a_buffering_bucket_to_a_flush_every_step_bucket(spec_name, shape_name):
+    """The shipped H100 configs: 32 rows buffer entries (that bucket flushes at L), then a batch of 2 (that bucket
+    flushes every step) brings two of them, so the flush-every-step kernel meets leftover entries (Mamba-2 folds them
+    in memory, GDN redoes their tiles out of line); outputs and every slot's state against the float64 reference."""
+    spec = load_spec(ROOT / "specs" / f"{spec_name}.yaml")
+    shape = spec.shape(shape_name)
+    configs = resolve_configs(spec, shape, "h100", ROOT / "tune", accept_env_mismatch=True).configs
+    decode_table = configs[KernelKind.REPLAY_DECODE]
+    assert bucket_config(decode_table, 32).flush_at != 1 and bucket_config(decode_table, 2).flush_at == 1
+    module = load_kernels(spec, shape, configs)
+    factory = InputFactory(spec, shape, "cuda", torch.bfloat16, seed=7)
+    weights = factory.weights()
+    everyone = list(range(32))
+    state = module.allocate(len(everyone), "cuda", torch.bfloat16)
+    reference = Reference(spec, shape, len(everyone))
+    init = factory.states(len(everyone), tuple(module.STATE_SHAPE))
+    module.load(state, torch.tensor(everyone, dtype=torch.int32, device="cuda"), init)
+    reference.load(everyone, init.cpu())
+    tolerance = TOLERANCE[torch.bfloat16]
+    for step, rows in enumerate([everyone] * 5 + [[7, 30]] * 3 + [everyone]):
+        inputs = factory.step(len(rows))
+        y = module.decode(state, torch.tensor(rows, dtype=torch.int32, device="cuda"), **inputs, **weights)
+        assert relative_error(y, reference.decode(rows, inputs, weights)) < tolerance, f"step {step}, batch {len(rows)}"
+        if len(rows) == 2:
+            assert state.cursor[rows, ..., 1].eq(0).all(), "a flush-every-step row kept buffered entries"
+    full = module.materialize(state, torch.tensor(everyone, dtype=torch.int32, device="cuda"))
+    assert relative_error(full, reference.to_layout(reference.states[everyone])) < tolerance
