@@ -430,7 +430,7 @@ def test_mismatched_records_are_never_applied_silently(mamba2, tmp_path, monkeyp
     monkeypatch.setenv("REPLAYGEN_TEMPLATES", str(variant))
     assert resolve_configs(mamba2, shape, "h100", tune_dir).configs[RD] == (rec.BucketConfig(None, config),)  # a comment
     decode = variant / "kernels" / "replay_decode.j2"
-    decode.write_text(decode.read_text().replace("{{ m.load_slot() }}\n", "{{ m.load_slot() }}\n    i_unused = 0\n", 1))
+    decode.write_text(decode.read_text().replace("{{ m.program_prologue() }}\n", "{{ m.program_prologue() }}\n    i_unused = 0\n", 1))
     with pytest.raises(TuningRecordError, match="the code it ran differs"):
         resolve_configs(mamba2, shape, "h100", tune_dir)
 
