@@ -147,7 +147,7 @@ def leftovers_in_memory(spec: Spec) -> bool:
     they are folded into the checkpoint in memory before the step, whose inputs load after that check (the fold's
     registers end at its store). False: the step runs as if nothing were buffered, its stores skip such tiles, and
     an out-of-line function (`_leftover_step`) redoes those tiles with the fold. Measured (docs/perf.md entries 24
-    and 25): in memory brings Mamba-2 at batch 1-8 from 0.91-0.98x of the baseline to 0.96-1.07x (H100). Where the
+    and 26): in memory brings Mamba-2 at batch 1-8 from 0.91-0.98x of the baseline to 0.96-1.07x (H100). Where the
     step normalizes its key and query (GDN), the normalization would wait for the check (0.85-0.92x, H200). The
     out-of-line redo keeps GDN's step ahead of the check: 1.00-1.05x of the baseline at batch 1-4 after its own
     search, on every GDN shape but TP8 at batch 1 (H100)."""
