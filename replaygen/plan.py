@@ -75,6 +75,7 @@ class ModulePlan:
     has_skip: bool
     has_gate: bool
     gate_optional: bool
+    flags: tuple[tuple[str, str], ...]  # constexpr switches of the optional inputs: (switch, the input that sets it)
     fold_leftovers_in_memory: bool  # flush-every-step decode: see leftovers_in_memory
     # API
     step_inputs: tuple[TensorArg, ...]
@@ -135,11 +136,25 @@ def plan_module(
         has_skip=spec.readout.skip is not None,
         has_gate=spec.readout.gate is not None,
         gate_optional=spec.readout.gate is not None and spec.readout.gate.optional,
+        flags=optional_input_flags(spec),
         fold_leftovers_in_memory=leftovers_in_memory(spec),
         step_inputs=step_inputs,
         weights=weights,
         buffers=_buffers(spec, shape),
     )
+
+
+def optional_input_flags(spec: Spec) -> tuple[tuple[str, str], ...]:
+    """The kernels' constexpr switches for the optional inputs, each with the input whose presence sets it: kernel
+    parameters, device-side call arguments and launch arguments are all rendered from this one list."""
+    flags = []
+    if spec.decay.direct_input is not None:
+        flags.append(("USE_DIRECT_DECAY", spec.decay.direct_input))
+    if spec.update.weight_direct_input is not None:
+        flags.append(("USE_DIRECT_WEIGHT", spec.update.weight_direct_input))
+    if spec.readout.gate is not None and spec.readout.gate.optional:
+        flags.append(("USE_GATE", spec.readout.gate.input))
+    return tuple(flags)
 
 
 def leftovers_in_memory(spec: Spec) -> bool:
