@@ -160,12 +160,13 @@ def optional_input_flags(spec: Spec) -> tuple[tuple[str, str], ...]:
 def leftovers_in_memory(spec: Spec) -> bool:
     """How flush-every-step decode (flush_at=1) handles entries that a larger flush_at left in a row's buffer. True:
     they are folded into the checkpoint in memory before the step, whose inputs load after that check (the fold's
-    registers end at its store). False: the step runs as if nothing were buffered, its stores skip such tiles, and
-    an out-of-line function (`_leftover_step`) redoes those tiles with the fold. Measured (docs/perf.md entries 24
-    and 26): in memory brings Mamba-2 at batch 1-8 from 0.91-0.98x of the baseline to 0.96-1.07x (H100). Where the
-    step normalizes its key and query (GDN), the normalization would wait for the check (0.85-0.92x, H200). The
-    out-of-line redo keeps GDN's step ahead of the check: 1.00-1.05x of the baseline at batch 1-4 after its own
-    search, on every GDN shape but TP8 at batch 1 (H100)."""
+    registers end at its store). False: the step runs as if nothing were buffered and its state store skips such
+    tiles; then an out-of-line function folds their entries into the checkpoint in memory, a few value rows per
+    call, and the step is redone from it. Measured (docs/perf.md entries 24, 26 and 27): in memory brings Mamba-2 at
+    batch 1-8 from 0.91-0.98x of the baseline to 0.96-1.07x (H100); folding after the step is 2-7% slower there.
+    Where the step normalizes its key and query (GDN), the normalization would wait for the check (0.85-0.92x,
+    H200); folding after the step keeps it ahead of the check, and the out-of-line fold keeps the kernel's registers
+    near the baseline's (H100)."""
     return not (spec.key.transform is VectorTransform.L2NORM or spec.query.transform is VectorTransform.L2NORM)
 
 
