@@ -146,7 +146,7 @@ def plan_module(
 
 def optional_input_flags(spec: Spec) -> tuple[tuple[str, str], ...]:
     """The kernels' constexpr switches for the optional inputs, each with the input whose presence sets it: kernel
-    parameters, device-side call arguments and launch arguments are all rendered from this one list."""
+    parameters and launch arguments are both rendered from this one list."""
     flags = []
     if spec.decay.direct_input is not None:
         flags.append(("USE_DIRECT_DECAY", spec.decay.direct_input))

@@ -218,8 +218,9 @@ def test_flush_threshold_changes_between_steps(spec_file, config):
 
 @pytest.mark.parametrize("spec_file", ["mamba2.yaml", "gdn.yaml"])
 def test_leftovers_folded_the_other_way(spec_file, monkeypatch):
-    """The plan folds a flush-every-step row's leftover entries in memory before the step or redoes its tiles out
-    of line, one way per spec (plan.leftovers_in_memory); the way each spec does not ship is kept correct too."""
+    """The plan folds a flush-every-step row's leftover entries into the checkpoint in memory before the step, or
+    after it (out of line) and then redoes the step, one way per spec (plan.leftovers_in_memory); the way each spec
+    does not ship is kept correct too."""
     spec = load_spec(ROOT / "specs" / spec_file)
     shipped = plan.leftovers_in_memory(spec)
     monkeypatch.setattr(plan, "leftovers_in_memory", lambda spec: not shipped)
