@@ -10,13 +10,16 @@ Until a tuning record exists for a GPU, `build --allow-default` uses
   the checkpoint at the query; state-and-output rebuilds the state first) and
   the flush threshold: a sequence flushes when its buffer would hold
   `flush_at` entries after the step (1 = flush every step = the baseline's
-  traffic; the capacity L = the least traffic at large batch).
+  traffic; the capacity L = the least traffic at large batch). With
+  `align_flushes` every sequence also flushes on the steps where the layer's
+  step clock is a multiple of flush_at, so after its first flush a sequence
+  flushes on the same steps as every other (docs/perf.md entry 28).
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from replaygen.errors import UnsupportedShapeError
 from replaygen.spec.model import DecayGranularity, Spec, TargetShape
@@ -72,8 +75,15 @@ class KernelConfig:
     max_registers: int = 0  # per-thread register cap (ptxas maxnreg; more programs per SM); 0 = the compiler's choice
     evict_state: bool = False  # state loads and stores evict-first in L2, so small data (cursors, inputs) stays cached
     overlap_scores: bool = False  # replay kernels: launched as a programmatic dependent of the scores kernel (sm90+)
+    align_flushes: bool = False  # replay decode: every row also flushes when the layer's step clock reaches a multiple of flush_at
+
+    def fields(self) -> dict[str, object]:
+        """Every field by name, the route as its value."""
+        return {**asdict(self), "route": self.route.value}
 
     def as_dict(self) -> dict[str, object]:
+        """The written form: every field; align_flushes only where it is set, so the configs that do not use it (and the tuning records
+        and module tables of every kind written before it existed) read as they did."""
         return {
             "block_v": self.block_v,
             "num_warps": self.num_warps,
@@ -89,7 +99,7 @@ class KernelConfig:
             "max_registers": self.max_registers,
             "evict_state": self.evict_state,
             "overlap_scores": self.overlap_scores,
-        }
+        } | ({"align_flushes": True} if self.align_flushes else {})
 
 
 @dataclass(frozen=True)
@@ -144,6 +154,11 @@ def validate_config(kind: KernelKind, shape: TargetShape, config: KernelConfig) 
         raise UnsupportedShapeError(f"{kind.value}: readout_dot needs block_v >= {MIN_DOT} (tl.dot) and precompute_scores, got block_v={config.block_v}, precompute_scores={config.precompute_scores}")
     if config.overlap_scores and not config.precompute_scores:
         raise UnsupportedShapeError(f"{kind.value}: overlap_scores overlaps the scores kernel, so it needs precompute_scores")
+    if config.align_flushes and (kind is not KernelKind.REPLAY_DECODE or not config.precompute_scores or not config.fused_flush):
+        raise UnsupportedShapeError(
+            f"{kind.value}: align_flushes applies to replay_decode with precompute_scores and fused_flush (the scores kernel advances the step clock"
+            f" the decode kernel's flushes read), got precompute_scores={config.precompute_scores}, fused_flush={config.fused_flush}"
+        )
     if config.max_registers and not 24 <= config.max_registers <= 255:
         raise UnsupportedShapeError(f"{kind.value}: max_registers={config.max_registers} must be 0 (no cap) or 24..255")
     if not 0 <= config.flush_at <= shape.capacity:
@@ -158,7 +173,8 @@ def default_configs(kind: KernelKind, shape: TargetShape, *, channel_decay: bool
     - replay decode: up to batch 8, 32 value rows, 4 warps, the flush fused into the decode kernel, flush every L
       steps (whether flushing every step wins at small batch is the tuner's call: it depends on the GPU's latency);
       above, one warp per 32 value rows, the ring read only where live, precomputed scores overlapped with the decode
-      kernel (programmatic dependent launch, sm90+), the state streamed evict-first.
+      kernel (programmatic dependent launch, sm90+), the state streamed evict-first, every row's flush on the same
+      steps (align_flushes, where the scores kernel runs).
     - replay verify: batch 1, the state route over 8 value rows and one warp, no scores launch (the fewest
       launches); above, one warp per 16 value rows, output-only with precomputed scores overlapped, evict-first.
     - the others: 16 value rows, 4 warps (the baseline streams the state at the copy bandwidth so).
@@ -171,7 +187,8 @@ def default_configs(kind: KernelKind, shape: TargetShape, *, channel_decay: bool
             BucketConfig(
                 None,
                 KernelConfig(
-                    block_v=min(32, cap), num_warps=1, prefetch_ring=False, precompute_scores=scores, overlap_scores=scores, evict_state=True
+                    block_v=min(32, cap), num_warps=1, prefetch_ring=False, precompute_scores=scores, overlap_scores=scores, evict_state=True,
+                    align_flushes=scores,
                 ),
             ),
         )

@@ -248,3 +248,55 @@ def run_threshold_schedule(spec, config):
         assert relative_error(full, reference.to_layout(reference.states[[2, 0]])) < 1e-4, f"state after step {step}"
         counts = state.cursor[[2, 0], :, :, 1]
         assert counts.eq(counts.flatten()[0]).all()
+
+
+ALIGNED = KernelConfig(block_v=8, num_warps=1, precompute_scores=True, align_flushes=True)
+
+
+@pytest.mark.parametrize("spec_file", ["mamba2.yaml", "gdn.yaml"])
+def test_aligned_flushes_match_the_reference(spec_file):
+    """align_flushes with rows that join at different steps, padding and odd sizes: outputs and states against the
+    reference after every step, unused slots untouched."""
+    spec = load_spec(ROOT / "specs" / spec_file)
+    shape = replace(ODD, capacity=4, window=1)
+    module = load_kernels(spec, shape, {KernelKind.REPLAY_DECODE: (BucketConfig(None, ALIGNED),)})
+    assert_passes(check_decode(module, spec, shape, device=DEVICE, batch=4, cycles=3, seed=13))
+
+
+@pytest.mark.parametrize("spec_file", ["mamba2.yaml", "gdn.yaml"])
+def test_aligned_flushes_gather_every_row_on_the_clock(spec_file):
+    """Rows loaded at different steps flush by their own count until the layer's step clock reaches a multiple of
+    flush_at, then all on the same steps; each aligned decode call advances the clock by one, verify and
+    decode steps that do not align (flush_at=1, the state route) leave it, and no buffer ever overflows."""
+    spec = load_spec(ROOT / "specs" / spec_file)
+    shape = replace(SMALL, capacity=6, window=1)
+    module = load_kernels(spec, shape, {KernelKind.REPLAY_DECODE: (BucketConfig(None, ALIGNED),)})
+    factory = InputFactory(spec, shape, DEVICE, torch.float32, seed=9)
+    weights = factory.weights()
+    state = module.allocate(4, DEVICE, torch.float32)
+    reference = Reference(spec, shape, 4)
+    joins = {0: [3], 2: [1], 3: [0]}
+    active: list[int] = []
+    clock = 0
+    for step, flush_at in enumerate([4, 4, 4, 4, 4, 4, 4, 4, 1, 4, 4, 4, 3, 3, 3, 3, 3, 3]):
+        if step in joins:
+            init = factory.states(len(joins[step]), tuple(module.STATE_SHAPE))
+            module.load(state, torch.tensor(joins[step], dtype=torch.int32, device=DEVICE), init)
+            reference.load(joins[step], init.cpu())
+            active += joins[step]
+        slots = torch.tensor(active, dtype=torch.int32, device=DEVICE)
+        before = state.cursor[active, :, :, 1].clone()
+        inputs = factory.step(len(active))
+        route = "state_and_output" if step == 5 else None
+        y = module.decode(state, slots, **inputs, **weights, flush_at=flush_at, route=route)
+        y_ref = reference.decode(active, inputs, weights)
+        assert relative_error(y, y_ref) < 1e-4, f"step {step}"
+        assert relative_error(module.materialize(state, slots), reference.to_layout(reference.states[active])) < 1e-4, f"state after step {step}"
+        ticks = flush_at > 1 and route is None
+        clock += ticks
+        assert int(state.clock) == clock, f"step {step}"
+        counts = state.cursor[active, :, :, 1]
+        by_count = before + 1 >= flush_at
+        flushed = by_count | (ticks and clock % flush_at == 0)
+        assert torch.equal(counts, torch.where(flushed, 0, before + 1)), f"step {step}: counts {counts.flatten().tolist()}"
+    assert counts.eq(counts.flatten()[0]).all(), "the rows did not align"

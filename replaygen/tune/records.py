@@ -243,7 +243,7 @@ class TrialRecord:
 
 def config_from_dict(raw: dict) -> KernelConfig:
     """A config as `KernelConfig.as_dict` wrote it; fields added since a record was written take their defaults
-    (such a record's kernel key no longer matches, so it is never applied)."""
+    (where the kernel's code changed with them, the record's kernel key no longer matches, so it is never applied)."""
     default = KernelConfig(block_v=raw["block_v"])
     return KernelConfig(
         block_v=_int(raw["block_v"]),
@@ -260,6 +260,7 @@ def config_from_dict(raw: dict) -> KernelConfig:
         max_registers=_int(raw.get("max_registers", default.max_registers)),
         evict_state=_bool(raw.get("evict_state", default.evict_state)),
         overlap_scores=_bool(raw.get("overlap_scores", default.overlap_scores)),
+        align_flushes=_bool(raw.get("align_flushes", default.align_flushes)),
     )
 
 

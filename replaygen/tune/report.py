@@ -25,6 +25,7 @@ def describe(config: KernelConfig, kind: KernelKind) -> str:
     if kind is KernelKind.REPLAY_DECODE:
         text += f" {config.route.value} flush={config.flush_at}"
         text += "" if config.fused_flush else " flush-launch"
+        text += " aligned" if config.align_flushes else ""
     if kind is KernelKind.REPLAY_VERIFY and config.route is not Route.OUTPUT_ONLY:
         text += f" {config.route.value}"
     if kind in REPLAY_KINDS:
@@ -49,7 +50,8 @@ class LineProgress(Progress):
 
     def search_started(self, index: int, total: int, task: SearchTask) -> None:
         self._prefix = f"[{index + 1}/{total}] {task.label}"
-        print(f"{self._prefix}: {len(task.space.candidates())} candidates of {task.space.size} points", file=self.stream, flush=True)
+        free = ", ".join(p.name for p in task.space.free) or "none"
+        print(f"{self._prefix}: {task.space.size} points (free: {free})", file=self.stream, flush=True)
 
     def trial(self, task: SearchTask, number: int, record: TrialRecord, reused: bool, best: TrialRecord | None) -> None:
         result = f"{record.value:.4f} ms" if record.status is TrialStatus.OK else f"{record.status.value.upper()} {record.error[:120]}"

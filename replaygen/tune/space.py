@@ -23,6 +23,9 @@ templates read (nothing else is invented):
                       cursors, rings and inputs stay cached), or the default policy
     overlap_scores    replay kernels, per-head decay only: launched as a programmatic dependent of the scores
                       kernel (overlapped with it; needs precompute_scores and compute capability 9.0)
+    align_flushes     replay_decode only, per-head decay only: every row also flushes when the layer's step clock
+                      (advanced by the scores kernel) is a multiple of flush_at, so all rows flush on the same steps;
+                      needs precompute_scores and fused_flush
 
 num_stages stays 1: no kernel has a loop whose loads Triton's pipeliner could prefetch (the fold's loads are
 unrolled by fold_chunk instead).
@@ -37,8 +40,8 @@ Pruning rules, applied to a point before anything is rendered or compiled:
     UNUSED_ROUTE   flush_at=1 flushes on every step, so the route of non-flush steps never runs:
                    only output_only is kept
     UNUSED_AT_EVERY_STEP  flush_at=1 runs the baseline's step on the checkpoint: no scores kernel, no ring tile,
-                   no flush launch, the loop fold; precompute_scores, overlap_scores, prefetch_ring, fused_flush
-                   and fold_dot keep their defaults (False, False, True, True, False)
+                   no flush launch, the loop fold; precompute_scores, overlap_scores, prefetch_ring, fused_flush,
+                   fold_dot and align_flushes keep their defaults (False, False, True, True, False, False)
     UNUSED_SCORES  the state-and-output route reads the rebuilt state, never the precomputed scores
     REFOLD         the state-and-output route already forms the state: a separate flush launch would
                    read the checkpoint again to form it once more
@@ -141,11 +144,11 @@ class SearchSpace:
 
     def values(self, config: KernelConfig) -> dict[str, int | str]:
         """The free parameters' values of `config` (inverse of `config`)."""
-        raw = config.as_dict()
+        raw = config.fields()
         return {p.name: raw[p.name] for p in self.free}
 
     def contains(self, config: KernelConfig) -> bool:
-        raw = config.as_dict()
+        raw = config.fields()
         return all(raw[p.name] in p.choices for p in self.parameters)
 
     def fit(self, config: KernelConfig) -> KernelConfig:
@@ -240,6 +243,7 @@ def derive_space(kind: KernelKind, shape: TargetShape, batch: int, channel_decay
         Parameter("readout_dot", both if kind is KernelKind.REPLAY_VERIFY and not channel_decay else (False,), Scale.CATEGORICAL),
         Parameter("evict_state", both, Scale.CATEGORICAL),
         Parameter("overlap_scores", both if replay and not channel_decay else (False,), Scale.CATEGORICAL),
+        Parameter("align_flushes", both if decode and not channel_decay else (False,), Scale.CATEGORICAL),
     )
     return SearchSpace(kind=kind, shape=shape, parameters=parameters, default=default_config(kind, shape, batch, channel_decay))
 
