@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route, bucket_config
-from replaygen.harness import TOLERANCE, InputFactory, check_speculative, relative_error
+from replaygen.harness import TOLERANCE, InputFactory, check_decode, check_speculative, relative_error
 from replaygen.reference import Reference
 from replaygen.runtime import load_kernels
 from replaygen.spec import load_spec
@@ -114,15 +114,21 @@ def test_verify_options_match_the_reference(spec_name, shape_name, config):
 
 
 @pytest.mark.parametrize("spec_name,shape_name", [("mamba2", "nemotron-h-mtp"), ("gdn", "qwen3.5-mtp")])
-def test_overlapped_decode_and_verify_match_the_reference(spec_name, shape_name):
+@pytest.mark.parametrize("aligned", [False, True], ids=["own-count", "aligned"])
+def test_overlapped_decode_and_verify_match_the_reference(spec_name, shape_name, aligned):
     """Decode and verify launched as programmatic dependents of their scores kernels, mixed on one state: the
-    overlap changes when the kernels run, never what they compute."""
+    overlap changes when the kernels run, never what they compute. Aligned: the decode reads the step clock its
+    scores kernel advanced (a read before that kernel's end would split one row's programs between flushing and
+    appending); then decode alone over several clock periods with rows joining at different steps."""
     spec = load_spec(ROOT / "specs" / f"{spec_name}.yaml")
     shape = spec.shape(shape_name)
-    decode = KernelConfig(block_v=32, num_warps=1, precompute_scores=True, overlap_scores=True, evict_state=True)
+    decode = KernelConfig(block_v=32, num_warps=1, precompute_scores=True, overlap_scores=True, evict_state=True, align_flushes=aligned)
     module = load_kernels(spec, shape, {KernelKind.REPLAY_VERIFY: (BucketConfig(None, OVERLAPPED),), KernelKind.REPLAY_DECODE: (BucketConfig(None, decode),)})
     report = check_speculative(module, spec, shape, device="cuda", act_dtype=torch.bfloat16, mixed=True, steps=16, seed=4)
     assert report.ok, "\n".join(report.lines())
+    if aligned:
+        report = check_decode(module, spec, shape, device="cuda", act_dtype=torch.bfloat16, batch=24, cycles=3, use_gate=False, seed=5)
+        assert report.ok, "\n".join(report.lines())
 
 
 def test_check_runs_every_tuned_config(capsys):
