@@ -48,16 +48,18 @@ def build_spec(
     tune_dir: Path = Path("tune"),
     allow_default: bool = False,
     accept_env_mismatch: bool = False,
+    spread_flushes: bool = False,
 ) -> list[BuiltModule]:
     """Write one module per shape under out_dir/<gpu>/ with the winners of tune_dir/<gpu>/ baked in.
 
     Every shape's configs are resolved before anything is written: a missing record (unless
-    `allow_default`) or a corrupt one stops the build with TuningRecordError.
+    `allow_default`) or a corrupt one stops the build with TuningRecordError. `spread_flushes`: no replay-decode
+    config with align_flushes (see `resolve_configs`).
     """
     if not GPU_NAME.match(gpu):
         raise ReplaygenError(f"--gpu '{gpu}' must be lowercase letters, digits, '-' or '_' (e.g. h100)")
     resolved = [
-        (shape, resolve_configs(spec, shape, gpu, tune_dir, allow_default=allow_default, accept_env_mismatch=accept_env_mismatch))
+        (shape, resolve_configs(spec, shape, gpu, tune_dir, allow_default=allow_default, accept_env_mismatch=accept_env_mismatch, spread_flushes=spread_flushes))
         for shape in shapes
     ]
     built = []

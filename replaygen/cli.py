@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tune-dir", default="tune", type=Path, help="tuning records, read from TUNE_DIR/GPU/SPEC_SHAPE.json (default: tune)")
     p.add_argument("--allow-default", action="store_true", help="build with the documented default configs where no tuning record applies (and say so)")
     p.add_argument("--accept-env-mismatch", action="store_true", help="apply records tuned under another triton or replaygen version (listed); never those of another GPU or of changed kernels")
+    p.add_argument("--spread-flushes", action="store_true", help=(
+        "leave out the replay-decode configs that flush every row on the same step (align_flushes): the fastest per "
+        "step on average, but that step costs about 1.4x a baseline step on the H100 (docs/perf.md entry 28)"))
 
     p = sub.add_parser("check", help="run the generated kernels against the float64 reference", description=(
         "Generate the kernels and compare them step by step with the float64 reference over several flush cycles, "
@@ -138,7 +141,8 @@ def cmd_build(args: argparse.Namespace) -> int:
 
     spec = load_spec(args.spec)
     shapes = select_shapes(spec, args.shape)
-    built = build_spec(spec, shapes, args.gpu, args.out, tune_dir=args.tune_dir, allow_default=args.allow_default, accept_env_mismatch=args.accept_env_mismatch)
+    built = build_spec(spec, shapes, args.gpu, args.out, tune_dir=args.tune_dir, allow_default=args.allow_default, accept_env_mismatch=args.accept_env_mismatch,
+                        spread_flushes=args.spread_flushes)
     for module in built:
         print(f"{spec.name}/{module.plan.shape.name} for {args.gpu}: configs from {module.plan.config_source}")
         for note in module.notes:

@@ -162,3 +162,22 @@ def other():
     assert reachable_source(source.replace("add(x, LIMIT)", "sub(x, LIMIT)"), ("entry",)) != kept
     with pytest.raises(KeyError, match="missing"):
         reachable_source(source, ("entry", "missing"))
+
+
+def test_spread_flushes_leaves_out_the_aligned_configs(tmp_path):
+    """`build --spread-flushes`: the shipped records' replay-decode winners without align_flushes (the next fastest
+    trial of each such bucket), the same as the plain build everywhere else; the module header says so."""
+    from replaygen.tune.apply import resolve_configs
+
+    spec = load_spec(ROOT / "specs" / "gdn.yaml")
+    shape = spec.shape("qwen3.5")
+    shipped = resolve_configs(spec, shape, "h100", ROOT / "tune")
+    spread = resolve_configs(spec, shape, "h100", ROOT / "tune", spread_flushes=True)
+    aligned = [b for b in shipped.configs[KernelKind.REPLAY_DECODE] if b.config.align_flushes]
+    assert aligned, "the shipped qwen3.5 record has no aligned bucket left to test with"
+    assert not any(b.config.align_flushes for b in spread.configs[KernelKind.REPLAY_DECODE])
+    assert [b.max_batch for b in spread.configs[KernelKind.REPLAY_DECODE]] == [b.max_batch for b in shipped.configs[KernelKind.REPLAY_DECODE]]
+    assert {k: v for k, v in spread.configs.items() if k is not KernelKind.REPLAY_DECODE} == {k: v for k, v in shipped.configs.items() if k is not KernelKind.REPLAY_DECODE}
+    assert any("align_flushes left out (--spread-flushes)" in note for note in spread.notes)
+    (module,) = build_spec(spec, (shape,), "h100", tmp_path, tune_dir=ROOT / "tune", spread_flushes=True)
+    assert "flushes spread (no align_flushes)" in header(module.path.read_text())["config_source"]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from replaygen import __version__
@@ -99,6 +99,7 @@ class _KindPick:
     skipped: Counter = field(default_factory=Counter)  # (reason, detail) -> trials left out
     accepted: Counter = field(default_factory=Counter)  # soft (reason, detail) -> winners applied anyway
     uncovered: set[int] = field(default_factory=set)  # batch sizes with passing trials, none of which applies
+    aligned_left_out: int = 0  # trials with align_flushes not considered (spread_flushes)
 
 
 def resolve_configs(
@@ -109,8 +110,11 @@ def resolve_configs(
     *,
     allow_default: bool = False,
     accept_env_mismatch: bool = False,
+    spread_flushes: bool = False,
 ) -> Resolved:
-    """The configs to build `shape` with: winners from tune/<gpu>/<spec>_<shape>.json, defaults where allowed."""
+    """The configs to build `shape` with: winners from tune/<gpu>/<spec>_<shape>.json, defaults where allowed.
+    `spread_flushes`: leave out the replay-decode trials with align_flushes (and the default's), so that no step
+    gathers every row's flush."""
     defaults = module_defaults(spec, shape)
     path = record_path(tune_dir, gpu, spec, shape)
     label = "/".join(path.parts[-3:])  # e.g. tune/h100/mamba2_nemotron_h.json
@@ -130,10 +134,14 @@ def resolve_configs(
     defaulted = sorted(k.value for k in KernelKind if k not in TUNABLE_KINDS)
     stale = []
     partial: list[tuple[KernelKind, list[int]]] = []  # kinds tuned at some batch sizes whose other tuned sizes went stale
+    if spread_flushes:
+        configs[KernelKind.REPLAY_DECODE] = tuple(replace(b, config=replace(b.config, align_flushes=False)) for b in configs[KernelKind.REPLAY_DECODE])
     for kind in TUNABLE_KINDS:
-        pick = _pick(records, kind, target, accept_env_mismatch)
+        pick = _pick(records, kind, target, accept_env_mismatch, spread_flushes)
         for (reason, detail), count in sorted(pick.skipped.items(), key=lambda item: item[0][0].name):
             notes.append(f"{kind.value}: {count} trial(s) in {path} not applied: {reason.value} ({detail})")
+        if pick.aligned_left_out:
+            notes.append(f"{kind.value}: {pick.aligned_left_out} trial(s) with align_flushes left out (--spread-flushes)")
         for (reason, detail), count in sorted(pick.accepted.items(), key=lambda item: item[0][0].name):
             notes.append(f"{kind.value}: {count} winner(s) applied although {reason.value} ({detail}; --accept-env-mismatch)")
         if pick.winners:
@@ -168,17 +176,21 @@ def resolve_configs(
                 "--recorded 3` on that GPU, or pass --allow-default to build them with a neighbouring tuned bucket's config"
             )
         notes += [f"{line}: a neighbouring tuned bucket's config (--allow-default)" for line in lines]
-    source = label + (f"; defaults for {', '.join(sorted(defaulted))}" if defaulted else "")
+    source = label + (f"; defaults for {', '.join(sorted(defaulted))}" if defaulted else "") + ("; flushes spread (no align_flushes)" if spread_flushes else "")
     return Resolved(configs=configs, source=source, notes=tuple(notes))
 
 
-def _pick(records: RecordFile, kind: KernelKind, target: BuildTarget, accept_env_mismatch: bool) -> _KindPick:
+def _pick(records: RecordFile, kind: KernelKind, target: BuildTarget, accept_env_mismatch: bool, spread_flushes: bool = False) -> _KindPick:
     """Every OK trial of `kind` checked (cheap fields); per batch size the fastest eligible one whose source re-renders the same.
-    A trial timed again later (`tune --retime`) counts with its latest timing only."""
+    A trial timed again later (`tune --retime`) counts with its latest timing only. `spread_flushes`: trials with
+    align_flushes are left out."""
     pick = _KindPick()
     eligible: dict[int, list[tuple[TrialRecord, list[tuple[Mismatch, str]]]]] = {}
     for trial in latest_trials(records.trials):
         if trial.key.kind is not kind or trial.status is not TrialStatus.OK or trial.timing is None:
+            continue
+        if spread_flushes and trial.config.align_flushes:
+            pick.aligned_left_out += 1
             continue
         found = mismatches(trial, target)
         if any(not reason.soft for reason, _ in found) or (found and not accept_env_mismatch):
