@@ -11,9 +11,9 @@ Until a tuning record exists for a GPU, `build --allow-default` uses
   the flush threshold: a sequence flushes when its buffer would hold
   `flush_at` entries after the step (1 = flush every step = the baseline's
   traffic; the capacity L = the least traffic at large batch). With
-  `align_flushes` every sequence also flushes on the steps where the layer's
-  step clock is a multiple of flush_at, so after its first flush a sequence
-  flushes on the same steps as every other (docs/perf.md entry 28).
+  `align_flushes` every sequence also flushes on every flush_at-th step of
+  the layer's step clock, so after its first flush a sequence flushes on the
+  same steps as every other (docs/perf.md entry 28).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class KernelConfig:
     max_registers: int = 0  # per-thread register cap (ptxas maxnreg; more programs per SM); 0 = the compiler's choice
     evict_state: bool = False  # state loads and stores evict-first in L2, so small data (cursors, inputs) stays cached
     overlap_scores: bool = False  # replay kernels: launched as a programmatic dependent of the scores kernel (sm90+)
-    align_flushes: bool = False  # replay decode: every row also flushes when the layer's step clock reaches a multiple of flush_at
+    align_flushes: bool = False  # replay decode: every row also flushes on every flush_at-th step of the layer's step clock
 
     def fields(self) -> dict[str, object]:
         """Every field by name, the route as its value."""

@@ -23,8 +23,8 @@ templates read (nothing else is invented):
                       cursors, rings and inputs stay cached), or the default policy
     overlap_scores    replay kernels, per-head decay only: launched as a programmatic dependent of the scores
                       kernel (overlapped with it; needs precompute_scores and compute capability 9.0)
-    align_flushes     replay_decode only, per-head decay only: every row also flushes when the layer's step clock
-                      (advanced by the scores kernel) is a multiple of flush_at, so all rows flush on the same steps;
+    align_flushes     replay_decode only, per-head decay only: every row also flushes on every flush_at-th step of
+                      the layer's step clock (advanced by the scores kernel), so all rows flush on the same steps;
                       needs precompute_scores and fused_flush
 
 num_stages stays 1: no kernel has a loop whose loads Triton's pipeliner could prefetch (the fold's loads are
