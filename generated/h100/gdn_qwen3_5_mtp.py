@@ -320,10 +320,11 @@
 #    [
 #     32,
 #     {
+#      "align_flushes": true,
 #      "block_v": 16,
 #      "evict_state": false,
 #      "flush_at": 28,
-#      "fold_chunk": 4,
+#      "fold_chunk": 8,
 #      "fold_dot": false,
 #      "fused_flush": true,
 #      "max_registers": 0,
@@ -486,7 +487,7 @@ _REPLAY_DECODE_CONFIGS = (
     (1, {'block_v': 16, 'num_warps': 8, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
     (4, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
     (8, {'block_v': 32, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
-    (32, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 28, 'prefetch_ring': False, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': False, 'overlap_scores': True}),
+    (32, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 28, 'prefetch_ring': False, 'fold_chunk': 8, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': False, 'overlap_scores': True, 'align_flushes': True}),
     (None, {'block_v': 32, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 28, 'prefetch_ring': False, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True, 'align_flushes': True}),
 )
 _MATERIALIZE_CONFIGS = (

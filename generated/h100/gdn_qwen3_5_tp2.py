@@ -225,10 +225,11 @@
 #    [
 #     32,
 #     {
+#      "align_flushes": true,
 #      "block_v": 8,
 #      "evict_state": true,
 #      "flush_at": 16,
-#      "fold_chunk": 4,
+#      "fold_chunk": 2,
 #      "fold_dot": false,
 #      "fused_flush": true,
 #      "max_registers": 0,
@@ -248,7 +249,7 @@
 #      "block_v": 16,
 #      "evict_state": true,
 #      "flush_at": 16,
-#      "fold_chunk": 4,
+#      "fold_chunk": 2,
 #      "fold_dot": false,
 #      "fused_flush": true,
 #      "max_registers": 0,
@@ -409,8 +410,8 @@ _BASELINE_DECODE_CONFIGS = (
 )
 _REPLAY_DECODE_CONFIGS = (
     (8, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
-    (32, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 16, 'prefetch_ring': False, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True}),
-    (128, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 16, 'prefetch_ring': False, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True, 'align_flushes': True}),
+    (32, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 16, 'prefetch_ring': False, 'fold_chunk': 2, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True, 'align_flushes': True}),
+    (128, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 16, 'prefetch_ring': False, 'fold_chunk': 2, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True, 'align_flushes': True}),
     (None, {'block_v': 32, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 16, 'prefetch_ring': False, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True, 'align_flushes': True}),
 )
 _MATERIALIZE_CONFIGS = (

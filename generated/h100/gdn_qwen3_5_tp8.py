@@ -204,12 +204,31 @@
 #     }
 #    ],
 #    [
-#     32,
+#     8,
 #     {
 #      "block_v": 8,
 #      "evict_state": true,
 #      "flush_at": 1,
 #      "fold_chunk": 1,
+#      "fold_dot": false,
+#      "fused_flush": true,
+#      "max_registers": 0,
+#      "num_stages": 1,
+#      "num_warps": 1,
+#      "overlap_scores": false,
+#      "precompute_scores": false,
+#      "prefetch_ring": true,
+#      "readout_dot": false,
+#      "route": "output_only"
+#     }
+#    ],
+#    [
+#     32,
+#     {
+#      "block_v": 8,
+#      "evict_state": true,
+#      "flush_at": 1,
+#      "fold_chunk": 2,
 #      "fold_dot": false,
 #      "fused_flush": true,
 #      "max_registers": 0,
@@ -229,7 +248,7 @@
 #      "block_v": 8,
 #      "evict_state": true,
 #      "flush_at": 16,
-#      "fold_chunk": 4,
+#      "fold_chunk": 2,
 #      "fold_dot": false,
 #      "fused_flush": true,
 #      "max_registers": 0,
@@ -249,7 +268,7 @@
 #      "block_v": 16,
 #      "evict_state": true,
 #      "flush_at": 16,
-#      "fold_chunk": 4,
+#      "fold_chunk": 2,
 #      "fold_dot": false,
 #      "fused_flush": true,
 #      "max_registers": 0,
@@ -389,9 +408,10 @@ _BASELINE_DECODE_CONFIGS = (
 )
 _REPLAY_DECODE_CONFIGS = (
     (2, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': False, 'overlap_scores': False}),
-    (32, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
-    (128, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 16, 'prefetch_ring': False, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True, 'align_flushes': True}),
-    (None, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 16, 'prefetch_ring': False, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True, 'align_flushes': True}),
+    (8, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
+    (32, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 2, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
+    (128, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 16, 'prefetch_ring': False, 'fold_chunk': 2, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True, 'align_flushes': True}),
+    (None, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 16, 'prefetch_ring': False, 'fold_chunk': 2, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True, 'align_flushes': True}),
 )
 _MATERIALIZE_CONFIGS = (
     (None, {'block_v': 16, 'num_warps': 4, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': False, 'overlap_scores': False}),
