@@ -86,6 +86,13 @@ class ModulePlan:
     def module_name(self) -> str:
         return f"{self.spec.name}_{self.shape.ident}"
 
+    @property
+    def keys_across_lanes(self) -> bool:
+        """Whether a state tile's lanes run along the key (key-contiguous storage, [value, key]): a [BLOCK_K] vector
+        then holds a few values per thread and a [BLOCK_V] vector every value in each thread, so scalar factors of a
+        rank-1 term are cheapest on the key."""
+        return self.state_stride_k == 1
+
     def config_table(self, kind: KernelKind) -> tuple[BucketConfig, ...]:
         return self.configs[kind]
 
