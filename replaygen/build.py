@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from replaygen.codegen import render_module, write_if_changed
+from replaygen.configs import DEFAULT_FLUSH_GROUPS
 from replaygen.errors import ReplaygenError
 from replaygen.plan import ModulePlan, plan_module
 from replaygen.spec.model import Spec, TargetShape
@@ -49,17 +50,19 @@ def build_spec(
     allow_default: bool = False,
     accept_env_mismatch: bool = False,
     spread_flushes: bool = False,
+    flush_groups: int = DEFAULT_FLUSH_GROUPS,
 ) -> list[BuiltModule]:
     """Write one module per shape under out_dir/<gpu>/ with the winners of tune_dir/<gpu>/ baked in.
 
     Every shape's configs are resolved before anything is written: a missing record (unless
     `allow_default`) or a corrupt one stops the build with TuningRecordError. `spread_flushes`: no replay-decode
-    config with align_flushes (see `resolve_configs`).
+    config with align_flushes; `flush_groups`: the aligned ones flush in that many groups (see `resolve_configs`).
     """
     if not GPU_NAME.match(gpu):
         raise ReplaygenError(f"--gpu '{gpu}' must be lowercase letters, digits, '-' or '_' (e.g. h100)")
     resolved = [
-        (shape, resolve_configs(spec, shape, gpu, tune_dir, allow_default=allow_default, accept_env_mismatch=accept_env_mismatch, spread_flushes=spread_flushes))
+        (shape, resolve_configs(spec, shape, gpu, tune_dir, allow_default=allow_default, accept_env_mismatch=accept_env_mismatch, spread_flushes=spread_flushes,
+                                  flush_groups=flush_groups))
         for shape in shapes
     ]
     built = []

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from replaygen import __version__
-from replaygen.configs import BATCH_BUCKETS, KernelKind
+from replaygen.configs import BATCH_BUCKETS, DEFAULT_FLUSH_GROUPS, KernelKind
 from replaygen.errors import ReplaygenError
 from replaygen.offline import ARCHITECTURES
 from replaygen.tune.space import TUNABLE_KINDS as TUNABLE
@@ -38,8 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-default", action="store_true", help="build with the documented default configs where no tuning record applies (and say so)")
     p.add_argument("--accept-env-mismatch", action="store_true", help="apply records tuned under another triton or replaygen version (listed); never those of another GPU or of changed kernels")
     p.add_argument("--spread-flushes", action="store_true", help=(
-        "leave out the replay-decode configs that flush every row on the same step (align_flushes): the fastest per "
-        "step on average, but that step costs about 1.4x a baseline step on the H100 (docs/perf.md entry 28)"))
+        "leave out the replay-decode configs that gather the rows' flushes on a few steps of a shared clock "
+        "(align_flushes): every step then costs about the same, 1-12%% more on average on the H100 (docs/perf.md "
+        "entries 28, 29)"))
+    p.add_argument("--flush-groups", type=int, default=DEFAULT_FLUSH_GROUPS, metavar="N", help=(
+        "aligned flushes: the slots form N groups (slot %% N) that flush on N evenly spaced steps of the clock "
+        "(default: %(default)s; each flushing step then costs about one baseline step on the H100, the same average "
+        "as 1, where one step flushes every row at about 1.4x a baseline step; docs/perf.md entry 29)"))
 
     p = sub.add_parser("check", help="run the generated kernels against the float64 reference", description=(
         "Generate the kernels and compare them step by step with the float64 reference over several flush cycles, "
@@ -142,7 +147,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
     shapes = select_shapes(spec, args.shape)
     built = build_spec(spec, shapes, args.gpu, args.out, tune_dir=args.tune_dir, allow_default=args.allow_default, accept_env_mismatch=args.accept_env_mismatch,
-                        spread_flushes=args.spread_flushes)
+                        spread_flushes=args.spread_flushes, flush_groups=args.flush_groups)
     for module in built:
         print(f"{spec.name}/{module.plan.shape.name} for {args.gpu}: configs from {module.plan.config_source}")
         for note in module.notes:

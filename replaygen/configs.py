@@ -13,7 +13,9 @@ Until a tuning record exists for a GPU, `build --allow-default` uses
   traffic; the capacity L = the least traffic at large batch). With
   `align_flushes` every sequence also flushes on every flush_at-th step of
   the layer's step clock, so after its first flush a sequence flushes on the
-  same steps as every other (docs/perf.md entry 28).
+  same steps as every other (docs/perf.md entry 28); with `flush_groups` G
+  the slots form G groups (slot % G) that flush on G evenly spaced steps of
+  the clock, so each flushing step folds 1/G of the rows (entry 29).
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ from dataclasses import asdict, dataclass
 
 from replaygen.errors import UnsupportedShapeError
 from replaygen.spec.model import DecayGranularity, Spec, TargetShape
+
+
+# Groups of slots whose aligned flushes fall on different steps of the clock, unless `build --flush-groups` says
+# otherwise: with 2 each flushing step folds half the rows and costs about one baseline step (docs/perf.md entry 29).
+DEFAULT_FLUSH_GROUPS = 2
 
 
 class KernelKind(enum.Enum):
@@ -76,14 +83,15 @@ class KernelConfig:
     evict_state: bool = False  # state loads and stores evict-first in L2, so small data (cursors, inputs) stays cached
     overlap_scores: bool = False  # replay kernels: launched as a programmatic dependent of the scores kernel (sm90+)
     align_flushes: bool = False  # replay decode: every row also flushes on every flush_at-th step of the layer's step clock
+    flush_groups: int = 1  # replay decode with align_flushes: slot % flush_groups picks the clock step its rows flush on
 
     def fields(self) -> dict[str, object]:
         """Every field by name, the route as its value."""
         return {**asdict(self), "route": self.route.value}
 
     def as_dict(self) -> dict[str, object]:
-        """The written form: every field; align_flushes only where it is set, so the configs that do not use it (and the tuning records
-        and module tables of every kind written before it existed) read as they did."""
+        """The written form: every field; align_flushes and flush_groups only where they are set, so the configs that do not use
+        them (and the tuning records and module tables of every kind written before they existed) read as they did."""
         return {
             "block_v": self.block_v,
             "num_warps": self.num_warps,
@@ -99,7 +107,7 @@ class KernelConfig:
             "max_registers": self.max_registers,
             "evict_state": self.evict_state,
             "overlap_scores": self.overlap_scores,
-        } | ({"align_flushes": True} if self.align_flushes else {})
+        } | ({"align_flushes": True} if self.align_flushes else {}) | ({"flush_groups": self.flush_groups} if self.flush_groups != 1 else {})
 
 
 @dataclass(frozen=True)
@@ -159,6 +167,10 @@ def validate_config(kind: KernelKind, shape: TargetShape, config: KernelConfig) 
             f"{kind.value}: align_flushes applies to replay_decode with precompute_scores and fused_flush (the scores kernel advances the step clock"
             f" the decode kernel's flushes read), got precompute_scores={config.precompute_scores}, fused_flush={config.fused_flush}"
         )
+    if config.flush_groups < 1 or (config.flush_groups > 1 and not config.align_flushes):
+        raise UnsupportedShapeError(f"{kind.value}: flush_groups={config.flush_groups} must be 1, or more with align_flushes (groups of rows flushing on different steps of the clock)")
+    if config.flush_groups > (config.flush_at or shape.capacity):
+        raise UnsupportedShapeError(f"{kind.value}: flush_groups={config.flush_groups} exceeds the flush period {config.flush_at or shape.capacity} (one clock step per group)")
     if config.max_registers and not 24 <= config.max_registers <= 255:
         raise UnsupportedShapeError(f"{kind.value}: max_registers={config.max_registers} must be 0 (no cap) or 24..255")
     if not 0 <= config.flush_at <= shape.capacity:
@@ -174,7 +186,8 @@ def default_configs(kind: KernelKind, shape: TargetShape, *, channel_decay: bool
       steps (whether flushing every step wins at small batch is the tuner's call: it depends on the GPU's latency);
       above, one warp per 32 value rows, the ring read only where live, precomputed scores overlapped with the decode
       kernel (programmatic dependent launch, sm90+), the state streamed evict-first, every row's flush on the same
-      steps (align_flushes, where the scores kernel runs).
+      steps (align_flushes, where the scores kernel runs) in two groups of slots half a period apart (flush_groups), so a
+      flushing step folds half the rows and costs about a baseline step (docs/perf.md entry 29).
     - replay verify: batch 1, the state route over 8 value rows and one warp, no scores launch (the fewest
       launches); above, one warp per 16 value rows, output-only with precomputed scores overlapped, evict-first.
     - the others: 16 value rows, 4 warps (the baseline streams the state at the copy bandwidth so).
@@ -188,7 +201,7 @@ def default_configs(kind: KernelKind, shape: TargetShape, *, channel_decay: bool
                 None,
                 KernelConfig(
                     block_v=min(32, cap), num_warps=1, prefetch_ring=False, precompute_scores=scores, overlap_scores=scores, evict_state=True,
-                    align_flushes=scores,
+                    align_flushes=scores, flush_groups=min(DEFAULT_FLUSH_GROUPS, shape.capacity) if scores else 1,
                 ),
             ),
         )

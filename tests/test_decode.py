@@ -253,24 +253,28 @@ def run_threshold_schedule(spec, config):
 ALIGNED = KernelConfig(block_v=8, num_warps=1, precompute_scores=True, align_flushes=True)
 
 
+@pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("spec_file", ["mamba2.yaml", "gdn.yaml"])
-def test_aligned_flushes_match_the_reference(spec_file):
-    """align_flushes with rows that join at different steps, padding and odd sizes: outputs and states against the
-    reference after every step, unused slots untouched."""
+def test_aligned_flushes_match_the_reference(spec_file, groups):
+    """align_flushes (every row on one step of the clock, or two groups of slots half a period apart) with rows that
+    join at different steps, padding and odd sizes: outputs and states against the reference after every step,
+    unused slots untouched."""
     spec = load_spec(ROOT / "specs" / spec_file)
     shape = replace(ODD, capacity=4, window=1)
-    module = load_kernels(spec, shape, {KernelKind.REPLAY_DECODE: (BucketConfig(None, ALIGNED),)})
+    module = load_kernels(spec, shape, {KernelKind.REPLAY_DECODE: (BucketConfig(None, replace(ALIGNED, flush_groups=groups)),)})
     assert_passes(check_decode(module, spec, shape, device=DEVICE, batch=4, cycles=3, seed=13))
 
 
+@pytest.mark.parametrize("groups", [1, 2, 4])
 @pytest.mark.parametrize("spec_file", ["mamba2.yaml", "gdn.yaml"])
-def test_aligned_flushes_gather_every_row_on_the_clock(spec_file):
-    """Rows loaded at different steps flush by their own count until the layer's step clock comes to 0, then all on
-    the same steps; each aligned decode call advances the clock by one modulo flush_at, decode steps that do not
-    align (flush_at=1, the state route) leave it, and no buffer ever overflows."""
+def test_aligned_flushes_gather_every_row_on_the_clock(spec_file, groups):
+    """Rows loaded at different steps flush by their own count until the layer's step clock comes to their group's
+    phase (slot % G of G = min(groups, flush_at) groups, phase group * flush_at // G), then on the same steps as
+    their group; each aligned decode call advances the clock by one modulo flush_at, decode steps that do not align
+    (flush_at=1, the state route) leave it, and no buffer ever overflows."""
     spec = load_spec(ROOT / "specs" / spec_file)
     shape = replace(SMALL, capacity=6, window=1)
-    module = load_kernels(spec, shape, {KernelKind.REPLAY_DECODE: (BucketConfig(None, ALIGNED),)})
+    module = load_kernels(spec, shape, {KernelKind.REPLAY_DECODE: (BucketConfig(None, replace(ALIGNED, flush_groups=groups)),)})
     factory = InputFactory(spec, shape, DEVICE, torch.float32, seed=9)
     weights = factory.weights()
     state = module.allocate(4, DEVICE, torch.float32)
@@ -296,6 +300,12 @@ def test_aligned_flushes_gather_every_row_on_the_clock(spec_file):
             clock = (clock + 1) % flush_at
         assert int(state.clock) == clock, f"step {step}"
         counts = state.cursor[active, :, :, 1]
-        flushed = (before + 1 >= flush_at) | (flush_at > 1 and route is None and clock == 0)
+        group_count = min(groups, flush_at)
+        phase = torch.tensor([slot % group_count * flush_at // group_count for slot in active], dtype=torch.int32, device=DEVICE)
+        on_clock = (phase == clock)[:, None, None] & (flush_at > 1 and route is None)
+        flushed = (before + 1 >= flush_at) | on_clock
         assert torch.equal(counts, torch.where(flushed, 0, before + 1)), f"step {step}: counts {counts.flatten().tolist()}"
-    assert counts.eq(counts.flatten()[0]).all(), "the rows did not align"
+    group_count = min(groups, flush_at)
+    for group in {slot % group_count for slot in active}:
+        members = [i for i, slot in enumerate(active) if slot % group_count == group]
+        assert counts[members].eq(counts[members].flatten()[0]).all(), f"the rows of group {group} did not align"

@@ -90,15 +90,17 @@ def test_space_of_the_main_shape(mamba2):
         "evict_state": both,
         "overlap_scores": both,
         "align_flushes": both,
+        "flush_groups": (1, 2, 4),
     }
-    assert space.size == 4 * 4 * 2 * 2 * 16 * 2 * 2 * 2 * 4 * 2 * 2 * 2 * 2
+    assert space.size == 4 * 4 * 2 * 2 * 16 * 2 * 2 * 2 * 4 * 2 * 2 * 2 * 2 * 3
     assert space.default == KernelConfig(  # the default's 0 written as L
-        block_v=32, num_warps=1, flush_at=16, prefetch_ring=False, precompute_scores=True, overlap_scores=True, evict_state=True, align_flushes=True
+        block_v=32, num_warps=1, flush_at=16, prefetch_ring=False, precompute_scores=True, overlap_scores=True, evict_state=True, align_flushes=True,
+        flush_groups=2,
     )
     assert space.candidates()[0] == space.default
     assert derive_space(RD, shape, batch=1).default == KernelConfig(block_v=32, num_warps=4, flush_at=16)
     assert {p.name for p in derive_space(RD, shape, 128, channel_decay=True).free} == set(choices) - {"num_stages", "precompute_scores", "readout_dot", "overlap_scores",
-                                                                                                    "align_flushes"}
+                                                                                                    "align_flushes", "flush_groups"}
     baseline = derive_space(BD, shape, batch=8)
     assert [p.name for p in baseline.free] == ["block_v", "num_warps", "evict_state"]  # no loop, route, flush or register cap
     assert len(baseline.candidates()) == 30  # 32 points, block_v=64 on one warp spills
@@ -125,6 +127,10 @@ def test_pruning_rules(mamba2):
     assert space.prune_reason(KernelConfig(block_v=8, flush_at=8, overlap_scores=True)) is PruneRule.INVALID  # no scores kernel
     assert space.prune_reason(KernelConfig(block_v=8, flush_at=8, align_flushes=True)) is PruneRule.INVALID  # no scores kernel to advance the clock
     assert space.prune_reason(KernelConfig(block_v=8, flush_at=8, precompute_scores=True, fused_flush=False, align_flushes=True)) is PruneRule.INVALID
+    aligned = KernelConfig(block_v=8, flush_at=2, precompute_scores=True, align_flushes=True)
+    assert space.prune_reason(replace(aligned, flush_groups=2)) is None
+    assert space.prune_reason(replace(aligned, flush_groups=4)) is PruneRule.INVALID  # more groups than steps in the flush period
+    assert space.prune_reason(replace(aligned, flush_groups=2, align_flushes=False)) is PruneRule.INVALID  # groups of what clock?
     state_route = KernelConfig(block_v=16, flush_at=8, route=Route.STATE_AND_OUTPUT)
     assert space.prune_reason(replace(state_route, precompute_scores=True)) is PruneRule.UNUSED_SCORES
     assert space.prune_reason(replace(state_route, fused_flush=False)) is PruneRule.REFOLD
@@ -151,7 +157,7 @@ def test_fix_and_space_key(mamba2):
     space = derive_space(RD, shape, batch=128)
     assert space.key() == derive_space(RD, shape, batch=128).key()
     fixed = space.fix("flush_at", "16").fix("route", "output_only").fix("fold_dot", "False")
-    assert fixed.size == 4 * 4 * 2 * 2 * 2 * 2 * 4 * 2 * 2 * 2 and fixed.key() != space.key()
+    assert fixed.size == 4 * 4 * 2 * 2 * 2 * 2 * 4 * 2 * 2 * 2 * 3 and fixed.key() != space.key()
     assert derive_space(RD, replace(shape, capacity=8), batch=128).key() != space.key()
     with pytest.raises(Exception, match="flush_at in 1"):
         space.fix("flush_at", "99")
@@ -594,7 +600,7 @@ def test_a_trial_left_running_by_a_killed_run_does_not_hide_the_default(mamba2, 
 def test_exhaustive_mode_and_optuna_on_an_enumerable_space(mamba2, tmp_path):
     fixed = (("flush_at", "16"), ("route", "output_only"), ("max_registers", "0"), ("precompute_scores", "False"), ("fused_flush", "True"),
              ("prefetch_ring", "True"), ("fold_chunk", "4"), ("fold_dot", "False"), ("evict_state", "False"),
-             ("overlap_scores", "False"), ("align_flushes", "False"))
+             ("overlap_scores", "False"), ("align_flushes", "False"), ("flush_groups", "1"))
     exhaustive, store, _ = run(mamba2, tmp_path / "ex", (RD,), (128,), mode=Mode.EXHAUSTIVE, fixed=fixed)
     space = derive_space(RD, mamba2.shape("nemotron-h"), 128)
     for name, value in fixed:

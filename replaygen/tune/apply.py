@@ -25,8 +25,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from replaygen import __version__
-from replaygen.configs import BucketConfig, KernelConfig, KernelKind, module_defaults
-from replaygen.errors import TuningRecordError, UnsupportedShapeError
+from replaygen.configs import DEFAULT_FLUSH_GROUPS, BucketConfig, KernelConfig, KernelKind, module_defaults
+from replaygen.errors import ReplaygenError, TuningRecordError, UnsupportedShapeError
 from replaygen.spec.model import Spec, TargetShape
 from replaygen.tune.records import RecordFile, TrialRecord, TrialStatus, latest_trials, read_records, record_path, render_candidate, shape_sha256, spec_content_sha256, speed_rank
 from replaygen.tune.space import TUNABLE_KINDS
@@ -111,10 +111,15 @@ def resolve_configs(
     allow_default: bool = False,
     accept_env_mismatch: bool = False,
     spread_flushes: bool = False,
+    flush_groups: int = DEFAULT_FLUSH_GROUPS,
 ) -> Resolved:
     """The configs to build `shape` with: winners from tune/<gpu>/<spec>_<shape>.json, defaults where allowed.
     `spread_flushes`: leave out the replay-decode trials with align_flushes (and the default's), so that no step
-    gathers every row's flush."""
+    gathers every row's flush. `flush_groups`: every replay-decode config with align_flushes flushes its rows in
+    that many groups (at most its flush period), whatever group count its trial ran: the count sets how many rows
+    one flushing step folds (its latency), not the average time per step (docs/perf.md entry 29)."""
+    if flush_groups < 1:
+        raise ReplaygenError(f"flush_groups must be at least 1, got {flush_groups}")
     defaults = module_defaults(spec, shape)
     path = record_path(tune_dir, gpu, spec, shape)
     label = "/".join(path.parts[-3:])  # e.g. tune/h100/mamba2_nemotron_h.json
@@ -176,8 +181,20 @@ def resolve_configs(
                 "--recorded 3` on that GPU, or pass --allow-default to build them with a neighbouring tuned bucket's config"
             )
         notes += [f"{line}: a neighbouring tuned bucket's config (--allow-default)" for line in lines]
+    configs[KernelKind.REPLAY_DECODE], regrouped = _group_flushes(configs[KernelKind.REPLAY_DECODE], shape, flush_groups)
     source = label + (f"; defaults for {', '.join(sorted(defaulted))}" if defaulted else "") + ("; flushes spread (no align_flushes)" if spread_flushes else "")
+    source += f"; aligned flushes in {flush_groups} groups" if regrouped and flush_groups > 1 else ""
     return Resolved(configs=configs, source=source, notes=tuple(notes))
+
+
+def _group_flushes(table: tuple[BucketConfig, ...], shape: TargetShape, groups: int) -> tuple[tuple[BucketConfig, ...], bool]:
+    """`table` with every align_flushes config set to `groups` flush groups (at most its flush period), and whether
+    any config is aligned."""
+    grouped = tuple(
+        replace(b, config=replace(b.config, flush_groups=min(groups, b.config.flush_at or shape.capacity))) if b.config.align_flushes else b
+        for b in table
+    )
+    return grouped, any(b.config.align_flushes for b in table)
 
 
 def _pick(records: RecordFile, kind: KernelKind, target: BuildTarget, accept_env_mismatch: bool, spread_flushes: bool = False) -> _KindPick:

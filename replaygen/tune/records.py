@@ -261,6 +261,7 @@ def config_from_dict(raw: dict) -> KernelConfig:
         evict_state=_bool(raw.get("evict_state", default.evict_state)),
         overlap_scores=_bool(raw.get("overlap_scores", default.overlap_scores)),
         align_flushes=_bool(raw.get("align_flushes", default.align_flushes)),
+        flush_groups=_int(raw.get("flush_groups", default.flush_groups)),
     )
 
 

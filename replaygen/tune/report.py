@@ -26,6 +26,7 @@ def describe(config: KernelConfig, kind: KernelKind) -> str:
         text += f" {config.route.value} flush={config.flush_at}"
         text += "" if config.fused_flush else " flush-launch"
         text += " aligned" if config.align_flushes else ""
+        text += f" in {config.flush_groups} groups" if config.flush_groups > 1 else ""
     if kind is KernelKind.REPLAY_VERIFY and config.route is not Route.OUTPUT_ONLY:
         text += f" {config.route.value}"
     if kind in REPLAY_KINDS:

@@ -26,6 +26,8 @@ templates read (nothing else is invented):
     align_flushes     replay_decode only, per-head decay only: every row also flushes on every flush_at-th step of
                       the layer's step clock (advanced by the scores kernel), so all rows flush on the same steps;
                       needs precompute_scores and fused_flush
+    flush_groups      replay_decode with align_flushes: 1, 2 or 4 groups of slots (slot % groups) flushing on evenly
+                      spaced steps of the clock (`build --flush-groups` sets the count the modules ship with)
 
 num_stages stays 1: no kernel has a loop whose loads Triton's pipeliner could prefetch (the fold's loads are
 unrolled by fold_chunk instead).
@@ -76,6 +78,7 @@ REPLAY_KINDS = frozenset({KernelKind.REPLAY_DECODE, KernelKind.REPLAY_VERIFY})
 NUM_WARPS: tuple[int, ...] = (1, 2, 4, 8)
 MAX_REGISTERS: tuple[int, ...] = (0, 128)
 FOLD_CHUNKS: tuple[int, ...] = (1, 2, 4, 8)
+FLUSH_GROUPS: tuple[int, ...] = (1, 2, 4)
 MAX_TILE_VALUES_PER_THREAD = 128
 
 
@@ -244,6 +247,7 @@ def derive_space(kind: KernelKind, shape: TargetShape, batch: int, channel_decay
         Parameter("evict_state", both, Scale.CATEGORICAL),
         Parameter("overlap_scores", both if replay and not channel_decay else (False,), Scale.CATEGORICAL),
         Parameter("align_flushes", both if decode and not channel_decay else (False,), Scale.CATEGORICAL),
+        Parameter("flush_groups", FLUSH_GROUPS if decode and not channel_decay else (1,), Scale.LOG2),
     )
     return SearchSpace(kind=kind, shape=shape, parameters=parameters, default=default_config(kind, shape, batch, channel_decay))
 
