@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import platform
+import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -76,6 +77,9 @@ class DecodeRow:
     model_ms: float  # bytes_per_step at the measured copy bandwidth
     bandwidth_fraction: float  # of the measured copy bandwidth
     speedup: float  # baseline time / this time (1.0 for the baseline)
+    # tuned replay rows: the slowest step of the flush cycle, ms (the cycle's median per step scaled by the per-step
+    # profile's slowest step over its mean; `DecodeWorkload.time_replay_steps`); None elsewhere
+    peak_step_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -286,12 +290,14 @@ def bench_tuned_decode(
         work = DecodeWorkload(module, spec, shape, batch, act_dtype, device)
         base = work.time_baseline(shape.capacity, repeats=20)
         replay = work.time_replay(replay_config.route.value, flush_at, repeats=20)
+        steps = work.time_replay_steps(replay_config.route.value, flush_at)
         del work
         torch.cuda.empty_cache()
         base_bytes = baseline_decode_bytes(spec, shape, act).total * batch
         replay_bytes = replay_decode_bytes(spec, shape, act, flush_at).total * batch
         rows.append(decode_row(shape, batch, "baseline", 1, base_config.as_dict(), base, base_bytes, copy_bw, base.median_ms))
-        rows.append(decode_row(shape, batch, f"replay/{replay_config.route.value}", flush_at, replay_config.as_dict(), replay, replay_bytes, copy_bw, base.median_ms))
+        row = decode_row(shape, batch, f"replay/{replay_config.route.value}", flush_at, replay_config.as_dict(), replay, replay_bytes, copy_bw, base.median_ms)
+        rows.append(replace(row, peak_step_ms=replay.median_ms * max(steps) / statistics.mean(steps)))
         log.info("%s b=%d tuned: baseline %.4f ms, replay %.4f ms", shape.name, batch, base.median_ms, replay.median_ms)
     return rows
 
@@ -301,13 +307,16 @@ def _config_text(config: dict[str, object]) -> str:
 
 
 def format_rows(rows: list[DecodeRow]) -> str:
-    lines = [f"{'shape':<16}{'L':>3}{'batch':>6}  {'kernel':<24}{'flush':>6}{'ms/step':>10}{'p20-p80':>18}{'model ms':>10}{'GB/step':>9}{'%copy':>7}{'speedup':>9}  config"]
+    """The decode rows as a table; `peak` (tuned replay rows) is the slowest step of the flush cycle as a multiple of
+    the baseline's step."""
+    lines = [f"{'shape':<16}{'L':>3}{'batch':>6}  {'kernel':<24}{'flush':>6}{'ms/step':>10}{'p20-p80':>18}{'model ms':>10}{'GB/step':>9}{'%copy':>7}{'speedup':>9}{'peak':>7}  config"]
     for r in rows:
         t = r.timing
+        peak = "-" if r.peak_step_ms is None else f"{r.peak_step_ms / (t['median_ms'] * r.speedup):.2f}x"
         lines.append(
             f"{r.shape:<16}{r.capacity:>3}{r.batch:>6}  {r.kernel:<24}{r.flush_at:>6}{t['median_ms']:>10.4f}"
             f"{t['p20_ms']:>9.4f}-{t['p80_ms']:<8.4f}{r.model_ms:>10.4f}{r.bytes_per_step / 1e9:>9.4f}{100 * r.bandwidth_fraction:>6.1f}%"
-            f"{r.speedup:>8.3f}x  {_config_text(r.config)}"
+            f"{r.speedup:>8.3f}x{peak:>7}  {_config_text(r.config)}"
         )
     return "\n".join(lines)
 

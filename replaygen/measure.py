@@ -167,6 +167,30 @@ class DecodeWorkload:
         graph = capture(cycle)
         return time_callable(graph.replay, repeats=repeats, per_call=steps * self.layers)
 
+    def time_replay_steps(self, route: str, flush_at: int, cycles: int = 20) -> tuple[float, ...]:
+        """Median ms per layer step at each step of the flush cycle, rows staggered as in `time_replay` (configs
+        with align_flushes gather them on the step clock): a graph of one step over every layer, replayed `cycles`
+        whole cycles after two, each replay timed with CUDA events. Each replay carries its graph launch, so the
+        profile's shape (slowest step against the mean) is what to read, not its absolute times."""
+        self.stagger(flush_at)
+
+        def step() -> None:
+            for state, inputs in zip(self.replay, self.inputs):
+                self.module.decode(state, self.slots, **inputs, **self.weights, route=route, flush_at=flush_at)
+
+        graph = capture(step)
+        for _ in range(2 * flush_at):
+            graph.replay()
+        samples: list[list[float]] = [[] for _ in range(flush_at)]
+        for i in range(cycles * flush_at):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            samples[i % flush_at].append(start.elapsed_time(end) / self.layers)
+        return tuple(statistics.median(s) for s in samples)
+
     def time_baseline(self, steps: int, repeats: int = 30) -> Timing:
         def cycle() -> None:
             for _ in range(steps):

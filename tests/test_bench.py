@@ -35,6 +35,7 @@ def fake_gpu(monkeypatch):
     """Fixed times instead of CUDA graphs; a tiny L2 so workloads stay small."""
     monkeypatch.setattr(measure.DecodeWorkload, "time_baseline", lambda self, steps, repeats=20: fake_timing(1.0))
     monkeypatch.setattr(measure.DecodeWorkload, "time_replay", lambda self, route, flush_at, repeats=20: fake_timing(0.6 if flush_at > 1 else 1.0))
+    monkeypatch.setattr(measure.DecodeWorkload, "time_replay_steps", lambda self, route, flush_at, cycles=20: (0.5,) * (flush_at - 1) + (2.1,))
     monkeypatch.setattr(measure.VerifyWorkload, "time_replay", lambda self, accept, steps, repeats=20: fake_timing(0.7))
     monkeypatch.setattr(measure.VerifyWorkload, "time_baseline", lambda self, accept, steps, repeats=20: fake_timing(2.5))
     monkeypatch.setattr(bench.FlaWorkload, "time", lambda self, steps, repeats=20: fake_timing(0.8))
@@ -80,6 +81,20 @@ def test_bench_rows_and_json(mamba2, tmp_path, fake_gpu):
     assert memory["max_sequences_replay"] == memory["budget_bytes"] // memory["replay_bytes_per_slot"]
     assert memory["decode_bytes_per_slot"] == 4 * 8 * 16 * 4  # one fp32 state
     assert memory["max_sequences_decode"] == memory["budget_bytes"] // memory["decode_bytes_per_slot"]
+
+
+def test_tuned_rows_report_the_slowest_step_of_the_cycle(mamba2, fake_gpu):
+    """The tuned replay row's peak step: the cycle's median per step scaled by the per-step profile's slowest step over
+    its mean; the table prints it as a multiple of the baseline's step."""
+    shape = replace(SMALL, window=2, capacity=8)
+    configs = module_defaults(mamba2, shape)
+    rows = bench.bench_tuned_decode(mamba2, shape, [2], torch.float32, CPU, COPY_BW, configs)
+    base, replay = rows
+    assert base.peak_step_ms is None
+    assert replay.flush_at == 8 and replay.peak_step_ms == pytest.approx(0.6 * 2.1 / ((7 * 0.5 + 2.1) / 8))
+    table = bench.format_rows(rows).splitlines()
+    assert table[0].split()[-2:] == ["peak", "config"]
+    assert f"{replay.peak_step_ms / 1.0:.2f}x" in table[2] and " - " in table[1]
 
 
 def test_sweep_reports_the_config_each_row_ran(mamba2, tmp_path, fake_gpu):
