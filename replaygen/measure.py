@@ -161,8 +161,7 @@ class DecodeWorkload:
 
         def cycle() -> None:
             for _ in range(steps):
-                for state, inputs in zip(self.replay, self.inputs):
-                    self.module.decode(state, self.slots, **inputs, **self.weights, route=route, flush_at=flush_at)
+                self._replay_step(route, flush_at)
 
         graph = capture(cycle)
         return time_callable(graph.replay, repeats=repeats, per_call=steps * self.layers)
@@ -173,12 +172,7 @@ class DecodeWorkload:
         whole cycles after two, each replay timed with CUDA events. Each replay carries its graph launch, so the
         profile's shape (slowest step against the mean) is what to read, not its absolute times."""
         self.stagger(flush_at)
-
-        def step() -> None:
-            for state, inputs in zip(self.replay, self.inputs):
-                self.module.decode(state, self.slots, **inputs, **self.weights, route=route, flush_at=flush_at)
-
-        graph = capture(step)
+        graph = capture(lambda: self._replay_step(route, flush_at))
         for _ in range(2 * flush_at):
             graph.replay()
         samples: list[list[float]] = [[] for _ in range(flush_at)]
@@ -190,6 +184,11 @@ class DecodeWorkload:
             end.synchronize()
             samples[i % flush_at].append(start.elapsed_time(end) / self.layers)
         return tuple(statistics.median(s) for s in samples)
+
+    def _replay_step(self, route: str, flush_at: int) -> None:
+        """One replay decode step over every layer."""
+        for state, inputs in zip(self.replay, self.inputs):
+            self.module.decode(state, self.slots, **inputs, **self.weights, route=route, flush_at=flush_at)
 
     def time_baseline(self, steps: int, repeats: int = 30) -> Timing:
         def cycle() -> None:

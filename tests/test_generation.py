@@ -181,3 +181,25 @@ def test_spread_flushes_leaves_out_the_aligned_configs(tmp_path):
     assert any("align_flushes left out (--spread-flushes)" in note for note in spread.notes)
     (module,) = build_spec(spec, (shape,), "h100", tmp_path, tune_dir=ROOT / "tune", spread_flushes=True)
     assert "flushes spread (no align_flushes)" in header(module.path.read_text())["config_source"]
+
+
+def test_flush_groups_set_every_aligned_config(tmp_path):
+    """`build --flush-groups N`: every aligned replay-decode config of the build flushes in N groups (at most its flush
+    period), whatever its trial ran; 1 gives one flushing step with every row; the module header says how many."""
+    from replaygen.cli import main
+    from replaygen.tune.apply import resolve_configs
+
+    spec = load_spec(ROOT / "specs" / "gdn.yaml")
+    shape = spec.shape("qwen3.5")
+    shipped = resolve_configs(spec, shape, "h100", ROOT / "tune")
+    table = shipped.configs[KernelKind.REPLAY_DECODE]
+    assert {b.config.flush_groups for b in table if b.config.align_flushes} == {2}
+    assert {b.config.flush_groups for b in table if not b.config.align_flushes} == {1}
+    for groups, expected in ((1, 1), (4, 4), (99, 16)):
+        regrouped = resolve_configs(spec, shape, "h100", ROOT / "tune", flush_groups=groups).configs[KernelKind.REPLAY_DECODE]
+        assert [replace(b.config, flush_groups=2) if b.config.align_flushes else b.config for b in regrouped] == [b.config for b in table]
+        assert {b.config.flush_groups for b in regrouped if b.config.align_flushes} == {expected}
+    assert "aligned flushes in 2 groups" in shipped.source and "groups" not in resolve_configs(spec, shape, "h100", ROOT / "tune", flush_groups=1).source
+    (module,) = build_spec(spec, (shape,), "h100", tmp_path, tune_dir=ROOT / "tune", flush_groups=4)
+    assert "aligned flushes in 4 groups" in header(module.path.read_text())["config_source"]
+    assert main(["build", str(ROOT / "specs" / "gdn.yaml"), "--shape", "qwen3.5", "--out", str(tmp_path), "--flush-groups", "0"]) != 0
