@@ -185,7 +185,8 @@ def test_spread_flushes_leaves_out_the_aligned_configs(tmp_path):
 
 def test_flush_groups_set_every_aligned_config(tmp_path):
     """`build --flush-groups N`: every aligned replay-decode config of the build flushes in N groups (at most its flush
-    period), whatever its trial ran; 1 gives one flushing step with every row; the module header says how many."""
+    period); 1 gives one flushing step with every row; the module header says how many. (Which trial stands for a
+    bucket is test_tune's test_aligned_trials_stand_for_the_group_count_the_build_ships.)"""
     from replaygen.cli import main
     from replaygen.tune.apply import resolve_configs
 
@@ -197,7 +198,6 @@ def test_flush_groups_set_every_aligned_config(tmp_path):
     assert {b.config.flush_groups for b in table if not b.config.align_flushes} == {1}
     for groups, expected in ((1, 1), (4, 4), (99, 16)):
         regrouped = resolve_configs(spec, shape, "h100", ROOT / "tune", flush_groups=groups).configs[KernelKind.REPLAY_DECODE]
-        assert [replace(b.config, flush_groups=2) if b.config.align_flushes else b.config for b in regrouped] == [b.config for b in table]
         assert {b.config.flush_groups for b in regrouped if b.config.align_flushes} == {expected}
     assert "aligned flushes in 2 groups" in shipped.source and "groups" not in resolve_configs(spec, shape, "h100", ROOT / "tune", flush_groups=1).source
     (module,) = build_spec(spec, (shape,), "h100", tmp_path, tune_dir=ROOT / "tune", flush_groups=4)

@@ -307,6 +307,26 @@ def test_records_survive_edits_that_change_no_kernel(mamba2, tmp_path):
     assert resolve_configs(spec, shape, "h100", tmp_path).configs[RD] == (rec.BucketConfig(None, config),)
 
 
+def test_aligned_trials_stand_for_the_group_count_the_build_ships(mamba2, tmp_path):
+    """The build sets every aligned config to its flush_groups: an aligned trial of another group count stands for that
+    regrouped config only where no applicable trial timed it; a trial that did competes with its own timing."""
+    shape = mamba2.shape("nemotron-h")
+    aligned = KernelConfig(block_v=32, num_warps=1, flush_at=16, precompute_scores=True, overlap_scores=True, align_flushes=True)
+    spread = replace(aligned, align_flushes=False)
+    write(tmp_path, mamba2, shape, [
+        trial(mamba2, shape, RD, aligned, 32, 0.050),  # one group: fastest, but not what a two-group build ships
+        trial(mamba2, shape, RD, replace(aligned, flush_groups=2), 32, 0.056),
+        trial(mamba2, shape, RD, spread, 32, 0.053),
+        trial(mamba2, shape, RD, aligned, 256, 0.40),  # no two-group trial: the one-group timing stands for it
+        trial(mamba2, shape, RD, spread, 256, 0.42),
+    ])
+    two = resolve_configs(mamba2, shape, "h100", tmp_path, flush_groups=2)
+    assert two.configs[RD] == (rec.BucketConfig(32, spread), rec.BucketConfig(None, replace(aligned, flush_groups=2)))
+    assert "b32: 0.0530 ms" in " ".join(two.notes)
+    one = resolve_configs(mamba2, shape, "h100", tmp_path, flush_groups=1)
+    assert one.configs[RD] == (rec.BucketConfig(None, aligned),)
+
+
 def test_format_1_records_apply_while_the_spec_file_is_unchanged(mamba2, tmp_path):
     """Records written before the spec's content hash name the spec file's bytes: they apply to that file only."""
     shape = mamba2.shape("nemotron-h")

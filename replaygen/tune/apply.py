@@ -142,7 +142,7 @@ def resolve_configs(
     if spread_flushes:
         configs[KernelKind.REPLAY_DECODE] = tuple(replace(b, config=replace(b.config, align_flushes=False)) for b in configs[KernelKind.REPLAY_DECODE])
     for kind in TUNABLE_KINDS:
-        pick = _pick(records, kind, target, accept_env_mismatch, spread_flushes)
+        pick = _pick(records, kind, target, accept_env_mismatch, spread_flushes, flush_groups)
         for (reason, detail), count in sorted(pick.skipped.items(), key=lambda item: item[0][0].name):
             notes.append(f"{kind.value}: {count} trial(s) in {path} not applied: {reason.value} ({detail})")
         if pick.aligned_left_out:
@@ -190,17 +190,24 @@ def resolve_configs(
 def _group_flushes(table: tuple[BucketConfig, ...], shape: TargetShape, groups: int) -> tuple[tuple[BucketConfig, ...], bool]:
     """`table` with every align_flushes config set to `groups` flush groups (at most its flush period), and whether
     any config is aligned."""
-    grouped = tuple(
-        replace(b, config=replace(b.config, flush_groups=min(groups, b.config.flush_at or shape.capacity))) if b.config.align_flushes else b
-        for b in table
-    )
+    grouped = tuple(replace(b, config=_regrouped(b.config, shape, groups)) for b in table)
     return grouped, any(b.config.align_flushes for b in table)
 
 
-def _pick(records: RecordFile, kind: KernelKind, target: BuildTarget, accept_env_mismatch: bool, spread_flushes: bool = False) -> _KindPick:
+def _regrouped(config: KernelConfig, shape: TargetShape, groups: int) -> KernelConfig:
+    """`config` as the build ships it: with align_flushes, in `groups` flush groups (at most its flush period)."""
+    if not config.align_flushes:
+        return config
+    return replace(config, flush_groups=min(groups, config.flush_at or shape.capacity))
+
+
+def _pick(
+    records: RecordFile, kind: KernelKind, target: BuildTarget, accept_env_mismatch: bool, spread_flushes: bool, flush_groups: int
+) -> _KindPick:
     """Every OK trial of `kind` checked (cheap fields); per batch size the fastest eligible one whose source re-renders the same.
     A trial timed again later (`tune --retime`) counts with its latest timing only. `spread_flushes`: trials with
-    align_flushes are left out."""
+    align_flushes are left out. An aligned trial of another group count than the build's `flush_groups` stands for
+    its regrouped config (what the build ships) only where no applicable trial timed that config itself."""
     pick = _KindPick()
     eligible: dict[int, list[tuple[TrialRecord, list[tuple[Mismatch, str]]]]] = {}
     for trial in latest_trials(records.trials):
@@ -215,16 +222,23 @@ def _pick(records: RecordFile, kind: KernelKind, target: BuildTarget, accept_env
         else:
             eligible.setdefault(trial.batch, []).append((trial, found))
     current: dict[KernelConfig, tuple[str | None, str]] = {}
+
+    def applies(trial: TrialRecord) -> bool:
+        if trial.config not in current:
+            current[trial.config] = _source_now(target, kind, trial.config)
+        return current[trial.config][0] == trial.key.source_sha256
+
     for batch, entries in sorted(eligible.items()):
         for trial, found in sorted(entries, key=lambda entry: speed_rank(entry[0])):
-            if trial.config not in current:
-                current[trial.config] = _source_now(target, kind, trial.config)
-            sha, why = current[trial.config]
-            if sha is None:
-                pick.skipped[(Mismatch.INVALID, why)] += 1
+            if not applies(trial):
+                sha, why = current[trial.config]
+                if sha is None:
+                    pick.skipped[(Mismatch.INVALID, why)] += 1
+                else:
+                    pick.skipped[(Mismatch.SOURCE, f"source sha256 {trial.key.source_sha256[:12]} then, {sha[:12]} now")] += 1
                 continue
-            if sha != trial.key.source_sha256:
-                pick.skipped[(Mismatch.SOURCE, f"source sha256 {trial.key.source_sha256[:12]} then, {sha[:12]} now")] += 1
+            shipped = _regrouped(trial.config, target.shape, flush_groups)
+            if shipped != trial.config and any(other.config == shipped and applies(other) for other, _ in entries):
                 continue
             pick.accepted.update(found)
             pick.winners[batch] = trial
