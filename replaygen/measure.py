@@ -56,19 +56,22 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, rounds: int = 3)
     return best
 
 
+def event_ms(fn: Callable[[], object]) -> float:
+    """Milliseconds one call of `fn` takes on the current stream, between two CUDA events (synchronized)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def time_callable(fn: Callable[[], object], repeats: int = 50, warmup: int = 5, per_call: int = 1) -> Timing:
     """Median and spread of `fn` timed with CUDA events, divided by `per_call` (steps inside one call)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / per_call)
+    samples = [event_ms(fn) / per_call for _ in range(repeats)]
     samples.sort()
     q = statistics.quantiles(samples, n=10) if len(samples) >= 10 else [samples[0]] * 9
     return Timing(statistics.median(samples), q[1], q[7], len(samples))
@@ -183,12 +186,7 @@ class DecodeWorkload:
             graph.replay()
         samples: list[list[float]] = [[] for _ in range(flush_at)]
         for i in range(cycles * flush_at):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            samples[i % flush_at].append(start.elapsed_time(end) / self.layers)
+            samples[i % flush_at].append(event_ms(graph.replay) / self.layers)
         return tuple(statistics.median(s) for s in samples)
 
     def _replay_step(self, route: str, flush_at: int) -> None:
