@@ -107,7 +107,7 @@ def traffic_times(shape, batch: int, config, device: torch.device) -> dict[str, 
     slots = torch.randperm(batch, device=device, generator=gen).to(torch.int32)
     groups = max(config.flush_groups, 1)
     grid = (triton.cdiv(V, config.block_v), H, batch)
-    ring_rows = R / 2  # live rows on average: the cursor counts are uniform in 0..R-1
+    ring_rows = R / 2  # about half the rows live: the cursor counts are uniform in 0..R-1
     results = {}
     for name, (slot, cursor, step, prefetch, cycle) in STAGES.items():
         def run():
