@@ -2,7 +2,8 @@
 
 A traffic-only Triton kernel moves what one replay decode step moves, with the shipped config's grid
 (block_v, warps), and almost no arithmetic: the checkpoint tile read, ring value rows read, the output row
-written. Stages add the replay step's memory structure one at a time:
+written. Its ring holds L rows (the shipped ring has L + T positions, padded to a power of two) and it reads no
+ring keys (the shipped scores kernel does). Stages add the replay step's memory structure one at a time:
 
     plain     the tile's address from the program ids; every ring row read
     slot      the tile's address through slots[b] (one dependent load)
@@ -29,10 +30,11 @@ import torch
 import triton
 import triton.language as tl
 
-from replaygen.configs import BucketConfig, KernelKind, bucket_config
+from replaygen.configs import BucketConfig, KernelConfig, KernelKind, bucket_config
 from replaygen.measure import DecodeWorkload, capture, copy_bandwidth, l2_bytes, time_callable
 from replaygen.runtime import load_kernels
 from replaygen.spec import load_spec
+from replaygen.spec.model import Spec, TargetShape
 from replaygen.tune.apply import resolve_configs
 
 STEPS = 16
@@ -92,7 +94,7 @@ def _traffic_kernel(
             tl.store(p_s, b_s + 1.0, eviction_policy="evict_first")
 
 
-def traffic_times(shape, batch: int, config, device: torch.device) -> dict[str, tuple[float, float]]:
+def traffic_times(shape: TargetShape, batch: int, config: KernelConfig, device: torch.device) -> dict[str, tuple[float, float]]:
     """Per stage: (µs per step, bytes per step) of the traffic kernel over cold layers."""
     H, V, K, R = shape.heads, shape.value_dim, shape.key_dim, shape.capacity
     per_layer = batch * H * V * K * 4
@@ -124,7 +126,7 @@ def traffic_times(shape, batch: int, config, device: torch.device) -> dict[str, 
     return results
 
 
-def replay_times(spec, shape, tables, batch: int, device: torch.device) -> tuple[float, float]:
+def replay_times(spec: Spec, shape: TargetShape, tables: dict[KernelKind, tuple[BucketConfig, ...]], batch: int, device: torch.device) -> tuple[float, float]:
     """µs per step of the shipped replay decode: over whole flush cycles, and never flushing (timing only)."""
     config = bucket_config(tables[KernelKind.REPLAY_DECODE], batch)
     module = load_kernels(spec, shape, tables, gpu="h100", config_source="speed of light")
