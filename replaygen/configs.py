@@ -84,13 +84,20 @@ class KernelConfig:
     overlap_scores: bool = False  # replay kernels: launched as a programmatic dependent of the scores kernel (sm90+)
     align_flushes: bool = False  # replay decode: every row also flushes on every flush_at-th step of the layer's step clock
     flush_groups: int = 1  # replay decode with align_flushes: slot % flush_groups picks the clock step its rows flush on
+    window_block_v: int = 0  # replay verify: 0 = one kernel; else the checkpoint readouts and the window's work split (see below)
+    window_warps: int = 1  # replay verify with window_block_v: warps of the window launch
+
+    # window_block_v > 0 splits replay verify into two launches of its kernel: the checkpoint half (fold, state
+    # store, the checkpoint read at every window token) over block_v value rows per program writes the readouts
+    # [batch, heads, names, T, V] to a scratch buffer; the window half (ring and window terms, outputs, appends,
+    # cursor) reads them over window_block_v rows per program, so its per-head work is not repeated per block_v rows.
 
     def fields(self) -> dict[str, object]:
         """Every field by name, the route as its value."""
         return {**asdict(self), "route": self.route.value}
 
     def as_dict(self) -> dict[str, object]:
-        """The written form: every field; align_flushes and flush_groups only where they are set, so the configs that do not use
+        """The written form: every field; align_flushes, flush_groups and the window split only where they are set, so the configs that do not use
         them (and the tuning records and module tables of every kind written before they existed) read as they did."""
         return {
             "block_v": self.block_v,
@@ -107,7 +114,8 @@ class KernelConfig:
             "max_registers": self.max_registers,
             "evict_state": self.evict_state,
             "overlap_scores": self.overlap_scores,
-        } | ({"align_flushes": True} if self.align_flushes else {}) | ({"flush_groups": self.flush_groups} if self.flush_groups != 1 else {})
+        } | ({"align_flushes": True} if self.align_flushes else {}) | ({"flush_groups": self.flush_groups} if self.flush_groups != 1 else {}) | (
+            {"window_block_v": self.window_block_v, "window_warps": self.window_warps} if self.window_block_v else {})
 
 
 @dataclass(frozen=True)
@@ -171,6 +179,16 @@ def validate_config(kind: KernelKind, shape: TargetShape, config: KernelConfig) 
         raise UnsupportedShapeError(f"{kind.value}: flush_groups={config.flush_groups} must be 1, or more with align_flushes (groups of rows flushing on different steps of the clock)")
     if config.flush_groups > (config.flush_at or shape.capacity):
         raise UnsupportedShapeError(f"{kind.value}: flush_groups={config.flush_groups} exceeds the flush period {config.flush_at or shape.capacity} (one clock step per group)")
+    if config.window_block_v:
+        if kind is not KernelKind.REPLAY_VERIFY or not config.precompute_scores or config.route is not Route.OUTPUT_ONLY or config.readout_dot:
+            raise UnsupportedShapeError(
+                f"{kind.value}: window_block_v (the split verify) applies to replay_verify on the output-only route with precompute_scores and"
+                f" without readout_dot, got route={config.route.value}, precompute_scores={config.precompute_scores}, readout_dot={config.readout_dot}"
+            )
+        if config.window_block_v < CURSOR_GRAIN or config.window_block_v & (config.window_block_v - 1) or config.window_block_v > max(16, _next_pow2(shape.value_dim)):
+            raise UnsupportedShapeError(f"{kind.value}: window_block_v={config.window_block_v} must be 0 or a power of two from {CURSOR_GRAIN} to value_dim={shape.value_dim} rounded up")
+    if config.window_warps not in (1, 2, 4, 8, 16) or (config.window_warps != 1 and not config.window_block_v):
+        raise UnsupportedShapeError(f"{kind.value}: window_warps={config.window_warps} must be 1, 2, 4, 8 or 16, and 1 without window_block_v")
     if config.max_registers and not 24 <= config.max_registers <= 255:
         raise UnsupportedShapeError(f"{kind.value}: max_registers={config.max_registers} must be 0 (no cap) or 24..255")
     if not 0 <= config.flush_at <= shape.capacity:

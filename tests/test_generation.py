@@ -115,6 +115,19 @@ def test_invalid_config_rejected_before_compile(mamba2):
     configs[KernelKind.REPLAY_DECODE] = (BucketConfig(None, KernelConfig(block_v=16, precompute_scores=True, readout_dot=True)),)
     with pytest.raises(UnsupportedShapeError, match="readout_dot applies to replay_verify only"):
         plan_module(mamba2, shape, "h100", configs, "defaults")
+    configs[KernelKind.REPLAY_DECODE] = (BucketConfig(None, KernelConfig(block_v=16, precompute_scores=True, window_block_v=16)),)
+    with pytest.raises(UnsupportedShapeError, match="window_block_v .the split verify. applies to replay_verify"):
+        plan_module(mamba2, shape, "h100", configs, "defaults")
+    configs[KernelKind.REPLAY_DECODE] = default_configs(KernelKind.REPLAY_DECODE, shape)
+    configs[KernelKind.REPLAY_VERIFY] = (BucketConfig(None, KernelConfig(block_v=16, window_block_v=16)),)
+    with pytest.raises(UnsupportedShapeError, match="precompute_scores=False"):
+        plan_module(mamba2, shape, "h100", configs, "defaults")
+    configs[KernelKind.REPLAY_VERIFY] = (BucketConfig(None, KernelConfig(block_v=16, precompute_scores=True, window_block_v=24)),)
+    with pytest.raises(UnsupportedShapeError, match="window_block_v=24 must be 0 or a power of two"):
+        plan_module(mamba2, shape, "h100", configs, "defaults")
+    configs[KernelKind.REPLAY_VERIFY] = (BucketConfig(None, KernelConfig(block_v=16, precompute_scores=True, window_warps=2)),)
+    with pytest.raises(UnsupportedShapeError, match="window_warps=2 .* 1 without window_block_v"):
+        plan_module(mamba2, shape, "h100", configs, "defaults")
 
 
 def test_every_shape_of_every_shipped_spec_compiles(mamba2):

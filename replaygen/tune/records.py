@@ -262,6 +262,8 @@ def config_from_dict(raw: dict) -> KernelConfig:
         overlap_scores=_bool(raw.get("overlap_scores", default.overlap_scores)),
         align_flushes=_bool(raw.get("align_flushes", default.align_flushes)),
         flush_groups=_int(raw.get("flush_groups", default.flush_groups)),
+        window_block_v=_int(raw.get("window_block_v", default.window_block_v)),
+        window_warps=_int(raw.get("window_warps", default.window_warps)),
     )
 
 

@@ -28,6 +28,9 @@ templates read (nothing else is invented):
                       needs precompute_scores and fused_flush
     flush_groups      replay_decode with align_flushes: 1, 2 or 4 groups of slots (slot % groups) flushing on evenly
                       spaced steps of the clock (`build --flush-groups` sets the count the modules ship with)
+    window_block_v    replay_verify only, per-head decay only: 0 (one kernel) or the value rows per program of the
+                      split verify's window half (16 and up; the checkpoint half keeps block_v)
+    window_warps      replay_verify with window_block_v: warps of the window half (1, 2, 4, 8)
 
 num_stages stays 1: no kernel has a loop whose loads Triton's pipeliner could prefetch (the fold's loads are
 unrolled by fold_chunk instead).
@@ -229,6 +232,7 @@ def derive_space(kind: KernelKind, shape: TargetShape, batch: int, channel_decay
     top = max(16, _next_pow2(shape.value_dim))
     block_v = tuple(1 << e for e in range(CURSOR_GRAIN.bit_length() - 1, top.bit_length()))
     decode = kind is KernelKind.REPLAY_DECODE
+    verify = kind is KernelKind.REPLAY_VERIFY
     replay = kind in REPLAY_KINDS
     both = (False, True)
     parameters = (
@@ -248,6 +252,8 @@ def derive_space(kind: KernelKind, shape: TargetShape, batch: int, channel_decay
         Parameter("overlap_scores", both if replay and not channel_decay else (False,), Scale.CATEGORICAL),
         Parameter("align_flushes", both if decode and not channel_decay else (False,), Scale.CATEGORICAL),
         Parameter("flush_groups", FLUSH_GROUPS if decode and not channel_decay else (1,), Scale.LOG2),
+        Parameter("window_block_v", (0, *(b for b in block_v if b >= 16)) if verify and not channel_decay else (0,), Scale.CATEGORICAL),
+        Parameter("window_warps", NUM_WARPS if verify and not channel_decay else (1,), Scale.LOG2),
     )
     return SearchSpace(kind=kind, shape=shape, parameters=parameters, default=default_config(kind, shape, batch, channel_decay))
 
