@@ -25,9 +25,11 @@ SCORED = KernelConfig(block_v=32, num_warps=1, precompute_scores=True)
 SCORED_STATE = KernelConfig(block_v=8, num_warps=1, precompute_scores=True, route=Route.STATE_AND_OUTPUT)
 # The replay kernel as a programmatic dependent of the scores kernel, the state streamed evict-first.
 OVERLAPPED = KernelConfig(block_v=16, num_warps=1, precompute_scores=True, overlap_scores=True, evict_state=True)
+# The split verify: its window half a programmatic dependent of its checkpoint half, the readouts in a scratch buffer.
+SPLIT = KernelConfig(block_v=16, num_warps=1, precompute_scores=True, overlap_scores=True, evict_state=True, window_block_v=64, window_warps=2)
 
 
-@pytest.mark.parametrize("config", [None, SCORED, SCORED_STATE, OVERLAPPED], ids=["default", "scores", "scores-state-route", "overlapped"])
+@pytest.mark.parametrize("config", [None, SCORED, SCORED_STATE, OVERLAPPED, SPLIT], ids=["default", "scores", "scores-state-route", "overlapped", "split"])
 def test_verify_commit_graph_matches_eager(mamba2, config):
     shape = mamba2.shape("nemotron-h-mtp")
     module = load_kernels(mamba2, shape, None if config is None else {KernelKind.REPLAY_VERIFY: (BucketConfig(None, config),)})
