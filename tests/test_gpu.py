@@ -102,8 +102,8 @@ def test_decode_graph_matches_eager_across_flushes(mamba2):
 
 @pytest.mark.parametrize("spec_name,shape_name", [("mamba2", "nemotron-h-mtp"), ("gdn", "qwen3.5-mtp")])
 @pytest.mark.parametrize("config", [
-    SCORED, SCORED_STATE, KernelConfig(block_v=32, num_warps=2, precompute_scores=True, readout_dot=True, fold_dot=True), OVERLAPPED,
-], ids=["scores", "scores-state-route", "readout-dot", "overlapped"])
+    SCORED, SCORED_STATE, KernelConfig(block_v=32, num_warps=2, precompute_scores=True, readout_dot=True, fold_dot=True), OVERLAPPED, SPLIT,
+], ids=["scores", "scores-state-route", "readout-dot", "overlapped", "split"])
 def test_verify_options_match_the_reference(spec_name, shape_name, config):
     """The verify options against the float64 reference on the GPU at the spec's MTP shape (tensor-core paths run
     in tf32x3 here, exactly in the interpreter)."""
