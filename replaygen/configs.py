@@ -85,7 +85,7 @@ class KernelConfig:
     align_flushes: bool = False  # replay decode: every row also flushes on every flush_at-th step of the layer's step clock
     flush_groups: int = 1  # replay decode with align_flushes: slot % flush_groups picks the clock step its rows flush on
     window_block_v: int = 0  # replay verify: 0 = one kernel; else the checkpoint readouts and the window's work split (see below)
-    window_warps: int = 1  # replay verify with window_block_v: warps of the window launch
+    window_warps: int = 1  # replay verify with window_block_v: warps of the window launch (max_registers caps the other only)
 
     # window_block_v > 0 splits replay verify into two launches of its kernel: the checkpoint half (fold, state
     # store, the checkpoint read at every window token) over block_v value rows per program writes the readouts
