@@ -914,6 +914,19 @@ def test_recorded_mode_times_the_fastest_recorded_configs_of_earlier_code_again(
     assert [c for c, _ in fake.timed] == [replace(old[0].config, evict_state=True)]  # --fix sets its parameter in them
 
 
+def test_recorded_mode_ranks_each_config_by_its_latest_trial(mamba2, tmp_path):
+    """A config timed fast on old code and slower since must not be retimed in place of one that is faster now."""
+    fixed = (("route", "output_only"), ("fused_flush", "True"), ("fold_dot", "False"), ("max_registers", "0"), ("precompute_scores", "False"),
+             ("overlap_scores", "False"), ("fold_chunk", "1"), ("evict_state", "False"), ("num_warps", "4"), ("block_v", "32"))
+    _, store, _ = run(mamba2, tmp_path / "old", (RD,), (8,), mode=Mode.EXHAUSTIVE, fixed=fixed)
+    fastest, second = sorted((t for t in store.trials if math.isfinite(t.value)), key=rec.speed_rank)[:2]
+    older = as_earlier_code([fastest, second])
+    newer = [replace(fastest, id=uuid.uuid4().hex, key=replace(fastest.key, source_sha256="b" * 64), timing=replace(fastest.timing, median_ms=second.value * 2))]
+    write(tmp_path / "new", mamba2, mamba2.shape("nemotron-h"), [*older, *newer])
+    _, _, fake = run(mamba2, tmp_path / "new", (RD,), (8,), mode=Mode.RECORDED, recorded=1)
+    assert [c for c, _ in fake.timed] == [second.config]
+
+
 def test_recorded_mode_without_records_times_nothing(mamba2, tmp_path, caplog):
     told = []
     results, store, fake = run(mamba2, tmp_path, (RD,), (8,), mode=Mode.RECORDED, recorded=3, warm=lambda task, configs: told.append(configs))

@@ -232,21 +232,21 @@ class Tuner:
 
     def _recorded(self, task: SearchTask) -> tuple[KernelConfig, ...]:
         """The `settings.recorded` fastest distinct configs of the task's kernel and batch among the records' passing
-        trials (of any kernel code), fitted to the space (SearchSpace.fit); those it prunes are left out."""
-        trials = sorted(
-            (t for t in self._comparable_trials() if t.key.kind is task.kind and t.batch == task.batch and math.isfinite(t.value)),
-            key=speed_rank,
-        )
-        chosen: list[KernelConfig] = []
-        for trial in trials:
-            config = task.space.fit(trial.config)
-            if config not in chosen and task.space.contains(config) and task.space.prune_reason(config) is None:
-                chosen.append(config)
-            if len(chosen) == self.settings.recorded:
-                break
+        trials (of any kernel code), fitted to the space (SearchSpace.fit); those it prunes are left out. Each config
+        is ranked by its last trial in record order, its most recent measurement: a config timed fast on code that
+        has changed since and slower after must not push out one that is the faster now."""
+        last: dict[KernelConfig, TrialRecord] = {}
+        for trial in self._comparable_trials():
+            if trial.key.kind is task.kind and trial.batch == task.batch and math.isfinite(trial.value):
+                config = task.space.fit(trial.config)
+                if task.space.contains(config) and task.space.prune_reason(config) is None:
+                    last.pop(config, None)
+                    last[config] = trial
+        ranked = sorted(last.items(), key=lambda item: speed_rank(item[1]))
+        chosen = tuple(config for config, _ in ranked[: self.settings.recorded])
         if not chosen:
             log.warning("%s: the records hold no passing trial to time again", task.label)
-        return tuple(chosen)
+        return chosen
 
     def _measure(self, task: SearchTask, config: KernelConfig, study: str) -> tuple[TrialRecord, bool]:
         """The trial of `config` at the task's batch: from the records if known, else timed and saved."""
