@@ -115,8 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="stop starting trials after this long; each search gets an equal share of the time left")
     p.add_argument("--seed", type=int, default=0, help="sampler seed (default: 0)")
     p.add_argument("--recorded", type=int, default=0, metavar="K", help=(
-        "search nothing: time again the K fastest configs the records in OUT hold for each search, those of earlier kernel "
-        "code too (re-validates the winners after a kernel change); --fix NAME=VALUE sets that parameter in them"))
+        "search nothing: time again the K fastest configs the records in OUT hold for each search, each config ranked by "
+        "its latest trial, of earlier kernel code too (re-validates the winners after a kernel change); --fix NAME=VALUE "
+        "sets that parameter in them"))
     p.add_argument("--retime", action="store_true", help=(
         "with --exhaustive or --recorded, time every candidate again even where OUT holds its trial (crashed ones excepted); "
         "the new trial supersedes the old one in the records"))
