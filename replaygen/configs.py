@@ -91,9 +91,6 @@ class KernelConfig:
     # store, the checkpoint read at every window token) over block_v value rows per program writes the readouts
     # [batch, heads, names, T, V] to a scratch buffer; the window half (ring and window terms, outputs, appends,
     # cursor) reads them over window_block_v rows per program, so its per-head work is not repeated per block_v rows.
-    # Without precompute_scores the window half scores its ring and window against the window's keys and queries
-    # itself, and no scores kernel is launched. The window half is a programmatic dependent of the checkpoint half
-    # wherever the GPU has griddepcontrol (sm90+), whatever overlap_scores says.
 
     def fields(self) -> dict[str, object]:
         """Every field by name, the route as its value."""
@@ -183,10 +180,10 @@ def validate_config(kind: KernelKind, shape: TargetShape, config: KernelConfig) 
     if config.flush_groups > (config.flush_at or shape.capacity):
         raise UnsupportedShapeError(f"{kind.value}: flush_groups={config.flush_groups} exceeds the flush period {config.flush_at or shape.capacity} (one clock step per group)")
     if config.window_block_v:
-        if kind is not KernelKind.REPLAY_VERIFY or config.route is not Route.OUTPUT_ONLY or config.readout_dot:
+        if kind is not KernelKind.REPLAY_VERIFY or not config.precompute_scores or config.route is not Route.OUTPUT_ONLY or config.readout_dot:
             raise UnsupportedShapeError(
-                f"{kind.value}: window_block_v (the split verify) applies to replay_verify on the output-only route without readout_dot,"
-                f" got route={config.route.value}, readout_dot={config.readout_dot}"
+                f"{kind.value}: window_block_v (the split verify) applies to replay_verify on the output-only route with precompute_scores and"
+                f" without readout_dot, got route={config.route.value}, precompute_scores={config.precompute_scores}, readout_dot={config.readout_dot}"
             )
         if config.window_block_v < CURSOR_GRAIN or config.window_block_v & (config.window_block_v - 1) or config.window_block_v > max(16, _next_pow2(shape.value_dim)):
             raise UnsupportedShapeError(f"{kind.value}: window_block_v={config.window_block_v} must be 0 or a power of two from {CURSOR_GRAIN} to value_dim={shape.value_dim} rounded up")

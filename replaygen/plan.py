@@ -112,8 +112,6 @@ def plan_module(
             validate_config(kind, shape, bucket.config)
             if bucket.config.precompute_scores and spec.decay.granularity is DecayGranularity.CHANNEL:
                 raise UnsupportedShapeError(f"{kind.value}: precompute_scores needs a per-head decay (per-channel decay weighs the keys' channels)")
-            if bucket.config.window_block_v and spec.decay.granularity is DecayGranularity.CHANNEL:
-                raise UnsupportedShapeError(f"{kind.value}: window_block_v (the split verify) needs a per-head decay (it decays the checkpoint's readouts per token)")
     missing = set(KernelKind) - set(configs)
     if missing:
         raise UnsupportedShapeError(f"no configs for kernels: {', '.join(sorted(k.value for k in missing))}")

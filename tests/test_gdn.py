@@ -88,14 +88,12 @@ def test_verify_precomputed_scores(layout, readout_dot, route):
     assert_passes(check_speculative(module, spec, shape, device=DEVICE, tokens=3, accept="all", steps=8, seed=12))
 
 
-@pytest.mark.parametrize("scores", [True, False], ids=["precomputed", "own_scores"])
-def test_split_verify(scores):
+def test_split_verify():
     """The split verify (window_block_v): the checkpoint half writes the checkpoint read at every token's q and k,
-    the window half (the whole head per program) adds the ring (on precomputed scores or scoring it from the ring's
-    keys itself), solves for the corrections and appends them."""
+    the window half (the whole head per program) adds the ring, solves for the corrections and appends them."""
     spec = gdn("key_value")
     shape = replace(ODD, capacity=9, window=4)
-    verify = KernelConfig(block_v=8, num_warps=1, precompute_scores=scores, window_block_v=16)
+    verify = KernelConfig(block_v=8, num_warps=1, precompute_scores=True, window_block_v=16)
     module = load_kernels(spec, shape, {KernelKind.REPLAY_VERIFY: (BucketConfig(None, verify),)})
     assert_passes(check_speculative(module, spec, shape, device=DEVICE, mixed=True, steps=12, seed=13))
     assert_passes(check_speculative(module, spec, shape, device=DEVICE, tokens=3, accept="all", steps=8, seed=14))
@@ -185,8 +183,6 @@ def test_per_channel_decay_kda_style():
         assert_passes(check_speculative(module, spec, shape, device=DEVICE, steps=6, seed=13))
     with pytest.raises(UnsupportedShapeError, match="per-head decay"):
         load_kernels(spec, shape, {KernelKind.REPLAY_DECODE: (BucketConfig(None, KernelConfig(block_v=8, precompute_scores=True)),)})
-    with pytest.raises(UnsupportedShapeError, match="window_block_v .the split verify. needs a per-head decay"):
-        load_kernels(spec, shape, {KernelKind.REPLAY_VERIFY: (BucketConfig(None, KernelConfig(block_v=8, window_block_v=16)),)})
 
 
 def test_default_configs_precompute_scores_only_for_a_per_head_decay():

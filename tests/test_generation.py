@@ -8,7 +8,7 @@ import pytest
 
 from replaygen.build import build_spec
 from replaygen.codegen import reachable_source, render_module, template_hash
-from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route, default_configs, module_defaults
+from replaygen.configs import BucketConfig, KernelConfig, KernelKind, default_configs, module_defaults
 from replaygen.errors import ReplaygenError, UnsupportedShapeError
 from replaygen.plan import plan_module
 from replaygen.spec import load_spec, load_spec_text
@@ -119,8 +119,8 @@ def test_invalid_config_rejected_before_compile(mamba2):
     with pytest.raises(UnsupportedShapeError, match="window_block_v .the split verify. applies to replay_verify"):
         plan_module(mamba2, shape, "h100", configs, "defaults")
     configs[KernelKind.REPLAY_DECODE] = default_configs(KernelKind.REPLAY_DECODE, shape)
-    configs[KernelKind.REPLAY_VERIFY] = (BucketConfig(None, KernelConfig(block_v=16, window_block_v=16, route=Route.STATE_AND_OUTPUT)),)
-    with pytest.raises(UnsupportedShapeError, match="route=state_and_output"):
+    configs[KernelKind.REPLAY_VERIFY] = (BucketConfig(None, KernelConfig(block_v=16, window_block_v=16)),)
+    with pytest.raises(UnsupportedShapeError, match="precompute_scores=False"):
         plan_module(mamba2, shape, "h100", configs, "defaults")
     configs[KernelKind.REPLAY_VERIFY] = (BucketConfig(None, KernelConfig(block_v=16, precompute_scores=True, window_block_v=24)),)
     with pytest.raises(UnsupportedShapeError, match="window_block_v=24 must be 0 or a power of two"):
