@@ -88,12 +88,14 @@ def test_verify_precomputed_scores(layout, readout_dot, route):
     assert_passes(check_speculative(module, spec, shape, device=DEVICE, tokens=3, accept="all", steps=8, seed=12))
 
 
-def test_split_verify():
-    """The split verify (window_block_v): the checkpoint half writes the checkpoint read at every token's q and k,
-    the window half (the whole head per program) adds the ring, solves for the corrections and appends them."""
+@pytest.mark.parametrize("block_v,fold_dot,prefetch", [(8, False, True), (16, True, False)])
+def test_split_verify(block_v, fold_dot, prefetch):
+    """The split verify (window_block_v): the checkpoint half folds on a flush (by the entry loop or by the product)
+    and writes the checkpoint read at every token's q and k; the window half (the whole head per program) adds the
+    ring (every position prefetched, or only the live ones), solves for the corrections and appends them."""
     spec = gdn("key_value")
     shape = replace(ODD, capacity=9, window=4)
-    verify = KernelConfig(block_v=8, num_warps=1, precompute_scores=True, window_block_v=16)
+    verify = KernelConfig(block_v=block_v, num_warps=1, precompute_scores=True, fold_dot=fold_dot, prefetch_ring=prefetch, window_block_v=16)
     module = load_kernels(spec, shape, {KernelKind.REPLAY_VERIFY: (BucketConfig(None, verify),)})
     assert_passes(check_speculative(module, spec, shape, device=DEVICE, mixed=True, steps=12, seed=13))
     assert_passes(check_speculative(module, spec, shape, device=DEVICE, tokens=3, accept="all", steps=8, seed=14))
