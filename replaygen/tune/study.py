@@ -238,12 +238,9 @@ class Tuner:
         last: dict[KernelConfig, TrialRecord] = {}
         for trial in self._comparable_trials():
             if trial.key.kind is task.kind and trial.batch == task.batch and math.isfinite(trial.value):
-                config = task.space.fit(trial.config)
-                if task.space.contains(config) and task.space.prune_reason(config) is None:
-                    last.pop(config, None)
-                    last[config] = trial
-        ranked = sorted(last.items(), key=lambda item: speed_rank(item[1]))
-        chosen = tuple(config for config, _ in ranked[: self.settings.recorded])
+                last[task.space.fit(trial.config)] = trial
+        kept = [(config, trial) for config, trial in last.items() if task.space.contains(config) and task.space.prune_reason(config) is None]
+        chosen = tuple(config for config, _ in sorted(kept, key=lambda item: speed_rank(item[1]))[: self.settings.recorded])
         if not chosen:
             log.warning("%s: the records hold no passing trial to time again", task.label)
         return chosen
