@@ -86,23 +86,18 @@ class KernelConfig:
     flush_groups: int = 1  # replay decode with align_flushes: slot % flush_groups picks the clock step its rows flush on
     window_block_v: int = 0  # replay verify: 0 = one kernel; else the checkpoint readouts and the window's work split (see below)
     window_warps: int = 1  # replay verify with window_block_v: warps of the window launch (max_registers caps the other only)
-    flush_block_v: int = 0  # replay verify: 0 = one launch for every row; else the flushing rows get a launch of their own (see below)
-    flush_warps: int = 1  # replay verify with flush_block_v: warps of the flushing rows' launch (no register cap)
 
     # window_block_v > 0 splits replay verify into two launches of its kernel: the checkpoint half (fold, state
     # store, the checkpoint read at every window token) over block_v value rows per program writes the readouts
     # [batch, heads, names, T, V] to a scratch buffer; the window half (ring and window terms, outputs, appends,
     # cursor) reads them over window_block_v rows per program, so its per-head work is not repeated per block_v rows.
-    # flush_block_v > 0 runs the verify (or its checkpoint half) as two launches: block_v rows per program over the
-    # batch rows that do not flush (no fold compiled in), then flush_block_v rows per program over those that do,
-    # which fold by the loop or (fold_dot) by the product; fold_chunk and fold_dot apply to that launch only.
 
     def fields(self) -> dict[str, object]:
         """Every field by name, the route as its value."""
         return {**asdict(self), "route": self.route.value}
 
     def as_dict(self) -> dict[str, object]:
-        """The written form: every field; align_flushes, flush_groups and the window and flush splits only where they are set, so the configs that do not use
+        """The written form: every field; align_flushes, flush_groups and the window split only where they are set, so the configs that do not use
         them (and the tuning records and module tables of every kind written before they existed) read as they did."""
         return {
             "block_v": self.block_v,
@@ -120,8 +115,7 @@ class KernelConfig:
             "evict_state": self.evict_state,
             "overlap_scores": self.overlap_scores,
         } | ({"align_flushes": True} if self.align_flushes else {}) | ({"flush_groups": self.flush_groups} if self.flush_groups != 1 else {}) | (
-            {"window_block_v": self.window_block_v, "window_warps": self.window_warps} if self.window_block_v else {}) | (
-            {"flush_block_v": self.flush_block_v, "flush_warps": self.flush_warps} if self.flush_block_v else {})
+            {"window_block_v": self.window_block_v, "window_warps": self.window_warps} if self.window_block_v else {})
 
 
 @dataclass(frozen=True)
@@ -168,9 +162,8 @@ def validate_config(kind: KernelKind, shape: TargetShape, config: KernelConfig) 
         raise UnsupportedShapeError(f"{kind.value}: num_stages={config.num_stages} must be 1..4")
     if config.fold_chunk not in (1, 2, 4, 8):
         raise UnsupportedShapeError(f"{kind.value}: fold_chunk={config.fold_chunk} must be 1, 2, 4 or 8")
-    folding_block_v = config.flush_block_v or config.block_v
-    if config.fold_dot and (folding_block_v < MIN_DOT or shape.key_dim < MIN_DOT):
-        raise UnsupportedShapeError(f"{kind.value}: fold_dot needs the folding launch's block_v and key_dim >= {MIN_DOT} (tl.dot), got {folding_block_v}, {shape.key_dim}")
+    if config.fold_dot and (config.block_v < MIN_DOT or shape.key_dim < MIN_DOT):
+        raise UnsupportedShapeError(f"{kind.value}: fold_dot needs block_v and key_dim >= {MIN_DOT} (tl.dot), got {config.block_v}, {shape.key_dim}")
     if config.readout_dot and kind is not KernelKind.REPLAY_VERIFY:
         raise UnsupportedShapeError(f"{kind.value}: readout_dot applies to replay_verify only")
     if config.readout_dot and (config.block_v < MIN_DOT or not config.precompute_scores):
@@ -196,13 +189,6 @@ def validate_config(kind: KernelKind, shape: TargetShape, config: KernelConfig) 
             raise UnsupportedShapeError(f"{kind.value}: window_block_v={config.window_block_v} must be 0 or a power of two from {CURSOR_GRAIN} to value_dim={shape.value_dim} rounded up")
     if config.window_warps not in (1, 2, 4, 8, 16) or (config.window_warps != 1 and not config.window_block_v):
         raise UnsupportedShapeError(f"{kind.value}: window_warps={config.window_warps} must be 1, 2, 4, 8 or 16, and 1 without window_block_v")
-    if config.flush_block_v:
-        if kind is not KernelKind.REPLAY_VERIFY or config.route is not Route.OUTPUT_ONLY:
-            raise UnsupportedShapeError(f"{kind.value}: flush_block_v (the flushing rows' own launch) applies to replay_verify on the output-only route, got route={config.route.value}")
-        if config.flush_block_v < CURSOR_GRAIN or config.flush_block_v & (config.flush_block_v - 1) or config.flush_block_v > max(16, _next_pow2(shape.value_dim)):
-            raise UnsupportedShapeError(f"{kind.value}: flush_block_v={config.flush_block_v} must be 0 or a power of two from {CURSOR_GRAIN} to value_dim={shape.value_dim} rounded up")
-    if config.flush_warps not in (1, 2, 4, 8, 16) or (config.flush_warps != 1 and not config.flush_block_v):
-        raise UnsupportedShapeError(f"{kind.value}: flush_warps={config.flush_warps} must be 1, 2, 4, 8 or 16, and 1 without flush_block_v")
     if config.max_registers and not 24 <= config.max_registers <= 255:
         raise UnsupportedShapeError(f"{kind.value}: max_registers={config.max_registers} must be 0 (no cap) or 24..255")
     if not 0 <= config.flush_at <= shape.capacity:

@@ -31,8 +31,6 @@ def describe(config: KernelConfig, kind: KernelKind) -> str:
         text += f" {config.route.value}"
     if config.window_block_v:
         text += f" split window bv={config.window_block_v} w={config.window_warps}"
-    if config.flush_block_v:
-        text += f" flushing rows bv={config.flush_block_v} w={config.flush_warps}"
     if kind in REPLAY_KINDS:
         text += " scores" if config.precompute_scores else ""
         text += " overlap" if config.overlap_scores else ""

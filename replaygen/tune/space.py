@@ -31,9 +31,6 @@ templates read (nothing else is invented):
     window_block_v    replay_verify only, per-head decay only: 0 (one kernel) or the value rows per program of the
                       split verify's window half (16 and up; the checkpoint half keeps block_v)
     window_warps      replay_verify with window_block_v: warps of the window half (1, 2, 4, 8)
-    flush_block_v     replay_verify only: 0 (one launch for every row) or the value rows per program of a launch of
-                      its own for the rows that flush (16 and up; fold_chunk and fold_dot apply to it only)
-    flush_warps       replay_verify with flush_block_v: warps of the flushing rows' launch (1, 2, 4, 8)
 
 num_stages stays 1: no kernel has a loop whose loads Triton's pipeliner could prefetch (the fold's loads are
 unrolled by fold_chunk instead).
@@ -44,8 +41,7 @@ Pruning rules, applied to a point before anything is rendered or compiled:
     SPILLS         the fp32 state tile [block_v, next_pow2(key_dim)] needs more than
                    MAX_TILE_VALUES_PER_THREAD values per thread (32 * num_warps threads): the
                    tile, its update and the loads cannot stay in 255 registers, so it spills
-                   (the flushing rows' launch likewise, at flush_block_v and flush_warps)
-    IDLE_THREADS   the state tile has fewer elements than the program has threads (either launch)
+    IDLE_THREADS   the state tile has fewer elements than the program has threads
     UNUSED_ROUTE   flush_at=1 flushes on every step, so the route of non-flush steps never runs:
                    only output_only is kept
     UNUSED_AT_EVERY_STEP  flush_at=1 runs the baseline's step on the checkpoint: no scores kernel, no ring tile,
@@ -182,14 +178,12 @@ class SearchSpace:
             validate_config(self.kind, self.shape, config)
         except UnsupportedShapeError:
             return PruneRule.INVALID
-        launches = ((config.block_v, config.num_warps),) + (((config.flush_block_v, config.flush_warps),) if config.flush_block_v else ())
-        for block_v, warps in launches:
-            tile = block_v * _next_pow2(self.shape.key_dim)
-            threads = 32 * warps
-            if tile > MAX_TILE_VALUES_PER_THREAD * threads:
-                return PruneRule.SPILLS
-            if tile < threads:
-                return PruneRule.IDLE_THREADS
+        tile = config.block_v * _next_pow2(self.shape.key_dim)
+        threads = 32 * config.num_warps
+        if tile > MAX_TILE_VALUES_PER_THREAD * threads:
+            return PruneRule.SPILLS
+        if tile < threads:
+            return PruneRule.IDLE_THREADS
         if self.kind is KernelKind.REPLAY_DECODE:
             state_route = config.route is Route.STATE_AND_OUTPUT
             if config.flush_at == 1 and state_route:
@@ -260,8 +254,6 @@ def derive_space(kind: KernelKind, shape: TargetShape, batch: int, channel_decay
         Parameter("flush_groups", FLUSH_GROUPS if decode and not channel_decay else (1,), Scale.LOG2),
         Parameter("window_block_v", (0, *(b for b in block_v if b >= 16)) if verify and not channel_decay else (0,), Scale.CATEGORICAL),
         Parameter("window_warps", NUM_WARPS if verify and not channel_decay else (1,), Scale.LOG2),
-        Parameter("flush_block_v", (0, *(b for b in block_v if b >= 16)) if verify else (0,), Scale.CATEGORICAL),
-        Parameter("flush_warps", NUM_WARPS if verify else (1,), Scale.LOG2),
     )
     return SearchSpace(kind=kind, shape=shape, parameters=parameters, default=default_config(kind, shape, batch, channel_decay))
 
