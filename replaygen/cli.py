@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
         "search nothing: time again the K fastest configs the records in OUT hold for each search, each config ranked by "
         "its latest trial, of earlier kernel code too (re-validates the winners after a kernel change); --fix NAME=VALUE "
         "sets that parameter in them"))
+    p.add_argument("--recorded-from", default=None, metavar="SHAPE", help=(
+        "with --recorded, take the K fastest configs of another shape's records of the spec on this GPU instead (a new "
+        "shape, e.g. a tensor-parallel split, starts from a tuned neighbour's winners, each timed at its own sizes)"))
     p.add_argument("--retime", action="store_true", help=(
         "with --exhaustive or --recorded, time every candidate again even where OUT holds its trial (crashed ones excepted); "
         "the new trial supersedes the old one in the records"))
@@ -413,6 +416,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise ReplaygenError(f"--recorded must be positive, got {args.recorded}")
     if args.recorded and args.exhaustive:
         raise ReplaygenError("--recorded and --exhaustive exclude each other (the first times recorded configs, the second every candidate)")
+    if args.recorded_from and not args.recorded:
+        raise ReplaygenError("--recorded-from needs --recorded K (the number of its fastest configs to time)")
     if args.retime and not (args.exhaustive or args.recorded):
         raise ReplaygenError("--retime needs --exhaustive or --recorded (an Optuna search steers by the values its journal already holds)")
     if args.compile_workers is not None and args.compile_workers < 0:
@@ -439,6 +444,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         compile_workers=args.compile_workers,
         retime=args.retime,
         recorded=args.recorded,
+        recorded_from=args.recorded_from,
     )
     return 0
 

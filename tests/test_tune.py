@@ -867,6 +867,17 @@ def test_tune_command_end_to_end_on_a_fake_gpu(tmp_path, monkeypatch, capsys):
     args = ["tune", spec_file, "--shape", "nemotron-h", "--kernels", "replay_decode", "--batch", "1,64", "--recorded", "1", "--compile-workers", "0", "--out", str(out)]
     assert main(args) == 0
     assert "the 1 fastest recorded configs each, timed again" in capsys.readouterr().out
+    args = ["tune", spec_file, "--shape", "nemotron-h-tp2", "--kernels", "replay_decode", "--batch", "64", "--recorded", "1", "--recorded-from", "nemotron-h",
+            "--compile-workers", "0", "--out", str(out)]
+    assert main(args) == 0
+    assert "the 1 fastest recorded configs each of nemotron-h, timed at each shape" in capsys.readouterr().out
+    assert read_records(out / "h100" / "mamba2_nemotron_h_tp2.json").trials
+    assert main(["tune", spec_file, "--recorded-from", "nemotron-h"]) == 2
+    assert "--recorded-from needs --recorded K" in capsys.readouterr().err
+    assert main(["tune", spec_file, "--recorded", "1", "--recorded-from", "nemotron-x", "--out", str(out)]) == 2
+    assert "--recorded-from nemotron-x: " in capsys.readouterr().err
+    assert main(["tune", spec_file, "--recorded", "1", "--recorded-from", "nemotron-h-l8", "--out", str(out)]) == 2
+    assert "--recorded-from nemotron-h-l8: no records at" in capsys.readouterr().err
     assert main(["tune", spec_file, "--shape", "nemotron-h", "--kernels", "baseline_decode", "--fix", "flush_at=3", "--out", str(out)]) == 2
     assert "--fix flush_at=3" in capsys.readouterr().err
 
@@ -925,6 +936,32 @@ def test_recorded_mode_ranks_each_config_by_its_latest_trial(mamba2, tmp_path):
     write(tmp_path / "new", mamba2, mamba2.shape("nemotron-h"), [*older, *newer])
     _, _, fake = run(mamba2, tmp_path / "new", (RD,), (8,), mode=Mode.RECORDED, recorded=1)
     assert [c for c, _ in fake.timed] == [second.config]
+
+
+def test_recorded_mode_from_another_shape_times_its_winners_at_this_shape(mamba2, tmp_path):
+    """--recorded-from: the fastest configs of a neighbour shape's records (those this shape's space does not hold
+    left out), timed at this shape and written to this shape's records; the neighbour's records stay as they were."""
+    fixed = (("route", "output_only"), ("fused_flush", "True"), ("fold_dot", "False"), ("max_registers", "0"), ("precompute_scores", "False"),
+             ("overlap_scores", "False"), ("fold_chunk", "1"), ("evict_state", "False"), ("num_warps", "4"), ("flush_at", "16"))
+    _, source, _ = run(mamba2, tmp_path, (RD,), (8,), mode=Mode.EXHAUSTIVE, fixed=fixed)
+    source_trials = source.trials
+    ranked = [t.config for t in sorted((t for t in source_trials if math.isfinite(t.value)), key=rec.speed_rank)]
+    small = replace(mamba2.shape("nemotron-h-tp8"), value_dim=16)
+    fits = [c for c in ranked if c.block_v <= 16][:2]
+    assert fits != ranked[:2]  # the source's fastest include a block_v beyond this shape's value_dim
+    fake = FakeGPU()
+    target = RecordStore(record_path(tmp_path, "h100", mamba2, small), spec="mamba2", shape=small.name, gpu="h100")
+    results = tune(
+        plan_tasks(mamba2, (small,), (RD,), (8,)),
+        evaluator_for=fake.evaluator,
+        store_for=lambda s: target,
+        environment=env(),
+        settings=TuneSettings(mode=Mode.RECORDED, recorded=2),
+        progress=Progress(),
+        source=source,
+    )
+    assert [c for c, _ in fake.timed] == fits and results[0].measured == 2
+    assert [t.config for t in target.trials] == fits and source.trials == source_trials
 
 
 def test_recorded_mode_without_records_times_nothing(mamba2, tmp_path, caplog):

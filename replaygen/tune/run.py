@@ -58,9 +58,11 @@ def run_tune(
     compile_workers: int | None = None,
     retime: bool = False,
     recorded: int = 0,
+    recorded_from: str | None = None,
 ) -> list[SearchResult]:
     """Tune on the current CUDA device; records go to out_dir/<gpu>/, the summary to stdout. `recorded` > 0 times
-    that many recorded configs per search again instead of searching (study.Mode.RECORDED)."""
+    that many recorded configs per search again instead of searching (study.Mode.RECORDED), taken from the records of
+    shape `recorded_from` of the spec on this GPU when given (each shape's own otherwise)."""
     import torch
 
     device = torch.device("cuda")
@@ -81,10 +83,11 @@ def run_tune(
         recorded=recorded or 1,
     )
     tasks = plan_tasks(spec, shapes, kinds, batches, fixed)
+    source = source_records(spec, recorded_from, out_dir, gpu) if recorded_from else None
     stores = {shape.name: RecordStore(record_path(out_dir, gpu, spec, shape), spec=spec.name, shape=shape.name, gpu=gpu) for shape in shapes}
     print(
         f"tuning {spec.name} on {environment.device_name} (sm {environment.compute_capability}, triton {environment.triton}) as '{gpu}', "
-        f"{dtype_name}: {len(tasks)} searches, {_mode_text(settings)}",
+        f"{dtype_name}: {len(tasks)} searches, {_mode_text(settings, recorded_from)}",
         flush=True,
     )
     warmer = cache_warmer(environment.compute_capability, dtype_name, compile_workers) if settings.mode is not Mode.OPTUNA else None
@@ -98,6 +101,7 @@ def run_tune(
             progress=LineProgress(sys.stderr, trials if settings.mode is Mode.OPTUNA else None),
             timeout_s=timeout_s,
             warm=warmer,
+            source=source,
         )
     finally:
         if warmer is not None:
@@ -109,7 +113,19 @@ def run_tune(
     return results
 
 
-def _mode_text(settings: TuneSettings) -> str:
+def source_records(spec: Spec, shape_name: str, out_dir: Path, gpu: str) -> RecordStore:
+    """The records of `spec`'s shape `shape_name` on `gpu` under out_dir, for `tune --recorded-from`."""
+    names = [s.name for s in spec.shapes]
+    if shape_name not in names:
+        raise ReplaygenError(f"--recorded-from {shape_name}: {spec.source_file} has no such shape (one of {', '.join(names)})")
+    shape = spec.shape(shape_name)
+    path = record_path(out_dir, gpu, spec, shape)
+    if not path.exists():
+        raise ReplaygenError(f"--recorded-from {shape_name}: no records at {path} (tune that shape on this GPU first, or pass --out and --gpu)")
+    return RecordStore(path, spec=spec.name, shape=shape.name, gpu=gpu)
+
+
+def _mode_text(settings: TuneSettings, recorded_from: str | None = None) -> str:
     if settings.mode is Mode.RECORDED:
-        return f"the {settings.recorded} fastest recorded configs each, timed again"
+        return f"the {settings.recorded} fastest recorded configs each" + (f" of {recorded_from}, timed at each shape" if recorded_from else ", timed again")
     return "exhaustive" if settings.mode is Mode.EXHAUSTIVE else f"{settings.trials} Optuna trials each"

@@ -19,7 +19,9 @@ integers, flush_at and num_stages as integers, the route as a category) through 
 Exhaustive mode times every candidate of the space, in order, without Optuna.
 
 Recorded mode searches nothing: it times again the fastest configs the records hold for each search, those of
-earlier kernel code included, so a kernel change is re-validated by timing its winners instead of a search.
+earlier kernel code included, so a kernel change is re-validated by timing its winners instead of a search. Its
+configs may come from another shape's records instead (`tune --recorded-from`): a new shape (a tensor-parallel
+split, another buffer capacity) starts from a neighbour's winners, timed at its own sizes.
 """
 
 from __future__ import annotations
@@ -184,10 +186,13 @@ class Tuner:
         progress: Progress,
         storage: optuna.storages.BaseStorage | None = None,
         warm: Callable[[SearchTask, tuple[KernelConfig, ...]], None] | None = None,
+        source: RecordStore | None = None,
     ):
         """`storage`: the Optuna storage (see make_storage; None: in memory); unused in exhaustive mode. `warm` is told
-        an exhaustive search's candidates before they are measured (tune.warm.CacheWarmer compiles them ahead)."""
+        an exhaustive search's candidates before they are measured (tune.warm.CacheWarmer compiles them ahead).
+        `source`: the records recorded mode takes its configs from (None: this shape's own, `store`)."""
         self.shape = shape
+        self.source = source
         self.warm = warm
         self.evaluator = evaluator
         self.store = store
@@ -205,11 +210,12 @@ class Tuner:
             if t.status in reused
         }
 
-    def _comparable_trials(self) -> list[TrialRecord]:
-        """The records' latest trials (records.latest_trials) made in this environment with this activation dtype."""
+    def _comparable_trials(self, store: RecordStore | None = None) -> list[TrialRecord]:
+        """The latest trials (records.latest_trials) of `store` (default: this shape's records) made in this environment
+        with this activation dtype."""
         fingerprint = self.environment.fingerprint()
         return [
-            t for t in latest_trials(self.store.trials)
+            t for t in latest_trials((store or self.store).trials)
             if t.environment.fingerprint() == fingerprint and t.activation_dtype == self.settings.activation_dtype
         ]
 
@@ -231,18 +237,19 @@ class Tuner:
         return self._optuna(task, deadline)
 
     def _recorded(self, task: SearchTask) -> tuple[KernelConfig, ...]:
-        """The `settings.recorded` fastest distinct configs of the task's kernel and batch among the records' passing
-        trials (of any kernel code), fitted to the space (SearchSpace.fit); those it prunes are left out. Each config
-        is ranked by its last trial in record order, its most recent measurement: a config timed fast on code that
-        has changed since and slower after must not push out one that is the faster now."""
+        """The `settings.recorded` fastest distinct configs of the task's kernel and batch among the passing trials (of
+        any kernel code) of the source records (this shape's own by default), fitted to the space (SearchSpace.fit);
+        those it prunes or does not hold (e.g. a block_v beyond this shape's value_dim) are left out. Each config is
+        ranked by its last trial in record order, its most recent measurement: a config timed fast on code that has
+        changed since and slower after must not push out one that is the faster now."""
         last: dict[KernelConfig, TrialRecord] = {}
-        for trial in self._comparable_trials():
+        for trial in self._comparable_trials(self.source):
             if trial.key.kind is task.kind and trial.batch == task.batch and math.isfinite(trial.value):
                 last[task.space.fit(trial.config)] = trial
         kept = [(config, trial) for config, trial in last.items() if task.space.contains(config) and task.space.prune_reason(config) is None]
         chosen = tuple(config for config, _ in sorted(kept, key=lambda item: speed_rank(item[1]))[: self.settings.recorded])
         if not chosen:
-            log.warning("%s: the records hold no passing trial to time again", task.label)
+            log.warning("%s: the records%s hold no passing trial to time again", task.label, f" of {self.source.header['shape']}" if self.source else "")
         return chosen
 
     def _measure(self, task: SearchTask, config: KernelConfig, study: str) -> tuple[TrialRecord, bool]:
@@ -406,8 +413,10 @@ def tune(
     progress: Progress,
     timeout_s: float | None = None,
     warm: Callable[[SearchTask, tuple[KernelConfig, ...]], None] | None = None,
+    source: RecordStore | None = None,
 ) -> list[SearchResult]:
-    """Run every task; with `timeout_s`, each search gets an equal share of the time left (`warm`: see Tuner)."""
+    """Run every task; with `timeout_s`, each search gets an equal share of the time left (`warm`, `source`: see
+    Tuner)."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     storage = make_storage(settings) if settings.mode is Mode.OPTUNA else None
     end = None if timeout_s is None else time.monotonic() + timeout_s
@@ -425,6 +434,7 @@ def tune(
                 progress=progress,
                 storage=storage,
                 warm=warm,
+                source=source,
             )
         deadline = None if end is None else time.monotonic() + (end - time.monotonic()) / (len(tasks) - index)
         progress.search_started(index, len(tasks), task)
