@@ -115,10 +115,10 @@ def run_tune(
 
 def source_records(spec: Spec, shape_name: str, out_dir: Path, gpu: str) -> RecordStore:
     """The records of `spec`'s shape `shape_name` on `gpu` under out_dir, for `tune --recorded-from`."""
-    names = [s.name for s in spec.shapes]
-    if shape_name not in names:
-        raise ReplaygenError(f"--recorded-from {shape_name}: {spec.source_file} has no such shape (one of {', '.join(names)})")
-    shape = spec.shape(shape_name)
+    try:
+        shape = spec.shape(shape_name)
+    except KeyError as exc:
+        raise ReplaygenError(f"--recorded-from {shape_name}: {exc.args[0]}") from None
     path = record_path(out_dir, gpu, spec, shape)
     if not path.exists():
         raise ReplaygenError(f"--recorded-from {shape_name}: no records at {path} (tune that shape on this GPU first, or pass --out and --gpu)")
