@@ -119,8 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
         "its latest trial, of earlier kernel code too (re-validates the winners after a kernel change); --fix NAME=VALUE "
         "sets that parameter in them"))
     p.add_argument("--recorded-from", default=None, metavar="SHAPE", help=(
-        "with --recorded, take the K fastest configs of another shape's records of the spec on this GPU instead (a new "
-        "shape, e.g. a tensor-parallel split, starts from a tuned neighbour's winners, each timed at its own sizes)"))
+        "with --recorded, take the K fastest configs of another shape's records of the spec on this GPU instead, at the "
+        "same batch and at the batch of equal work (as many state values per step: a TP8 split's batch 256 also takes "
+        "the unsplit shape's batch 32); a new shape, e.g. a tensor-parallel split, starts from a tuned neighbour's "
+        "winners, each timed at its own sizes"))
     p.add_argument("--retime", action="store_true", help=(
         "with --exhaustive or --recorded, time every candidate again even where OUT holds its trial (crashed ones excepted); "
         "the new trial supersedes the old one in the records"))

@@ -964,6 +964,33 @@ def test_recorded_mode_from_another_shape_times_its_winners_at_this_shape(mamba2
     assert [t.config for t in target.trials] == fits and source.trials == source_trials
 
 
+def test_recorded_mode_from_another_shape_also_takes_the_batch_of_equal_work(mamba2, tmp_path):
+    """--recorded-from a shape with 8x the heads: a search at batch 8 also times the neighbour's fastest configs at
+    batch 1 (as many state values per step), ranked within that batch, after those of its own batch; a batch whose
+    equal-work batch is not whole (4 -> 1/2) takes only its own."""
+    full, split = mamba2.shape("nemotron-h"), mamba2.shape("nemotron-h-tp8")
+    configs = [KernelConfig(block_v=bv, num_warps=w, flush_at=16) for bv in (16, 32) for w in (1, 2)]
+    ms_b8 = dict(zip(configs, (4.0, 1.0, 3.0, 2.0)))
+    ms_b1 = dict(zip(configs, (0.1, 0.4, 0.2, 0.3)))
+    records = [trial(mamba2, full, RD, c, 8, ms) for c, ms in ms_b8.items()] + [trial(mamba2, full, RD, c, 1, ms) for c, ms in ms_b1.items()]
+    records += [trial(mamba2, full, RD, c, 4, ms) for c, ms in ms_b8.items()]
+    source = RecordStore(write(tmp_path, mamba2, full, records), spec="mamba2", shape=full.name, gpu="h100")
+    fake = FakeGPU()
+    target = RecordStore(record_path(tmp_path, "h100", mamba2, split), spec="mamba2", shape=split.name, gpu="h100")
+    tune(
+        plan_tasks(mamba2, (split,), (RD,), (8, 4)),
+        evaluator_for=fake.evaluator,
+        store_for=lambda s: target,
+        environment=env(),
+        settings=TuneSettings(mode=Mode.RECORDED, recorded=2),
+        progress=Progress(),
+        source=source,
+    )
+    b8, b4 = [c for c, b in fake.timed if b == 8], [c for c, b in fake.timed if b == 4]
+    assert b8 == [configs[1], configs[3], configs[0], configs[2]]
+    assert b4 == [configs[1], configs[3]]
+
+
 def test_recorded_mode_without_records_times_nothing(mamba2, tmp_path, caplog):
     told = []
     results, store, fake = run(mamba2, tmp_path, (RD,), (8,), mode=Mode.RECORDED, recorded=3, warm=lambda task, configs: told.append(configs))

@@ -21,7 +21,8 @@ Exhaustive mode times every candidate of the space, in order, without Optuna.
 Recorded mode searches nothing: it times again the fastest configs the records hold for each search, those of
 earlier kernel code included, so a kernel change is re-validated by timing its winners instead of a search. Its
 configs may come from another shape's records instead (`tune --recorded-from`): a new shape (a tensor-parallel
-split, another buffer capacity) starts from a neighbour's winners, timed at its own sizes.
+split, another buffer capacity) starts from a neighbour's winners at the same batch and at the batch of equal work,
+timed at its own sizes.
 """
 
 from __future__ import annotations
@@ -237,20 +238,34 @@ class Tuner:
         return self._optuna(task, deadline)
 
     def _recorded(self, task: SearchTask) -> tuple[KernelConfig, ...]:
-        """The `settings.recorded` fastest distinct configs of the task's kernel and batch among the passing trials (of
-        any kernel code) of the source records (this shape's own by default), fitted to the space (SearchSpace.fit);
-        those it prunes or does not hold (e.g. a block_v beyond this shape's value_dim) are left out. Each config is
-        ranked by its last trial in record order, its most recent measurement: a config timed fast on code that has
-        changed since and slower after must not push out one that is the faster now."""
-        last: dict[KernelConfig, TrialRecord] = {}
+        """The `settings.recorded` fastest distinct configs of the task's kernel among the passing trials (of any kernel
+        code) of the source records (this shape's own by default) at each of the source batches (_source_batches),
+        fitted to the space (SearchSpace.fit); those it prunes or does not hold (e.g. a block_v beyond this shape's
+        value_dim) are left out. Each config is ranked by its last trial in record order, its most recent measurement:
+        a config timed fast on code that has changed since and slower after must not push out one that is the faster
+        now. Configs are ranked per source batch (times at two batches do not compare), those of the task's own batch
+        first."""
+        last: dict[int, dict[KernelConfig, TrialRecord]] = {batch: {} for batch in self._source_batches(task)}
         for trial in self._comparable_trials(self.source):
-            if trial.key.kind is task.kind and trial.batch == task.batch and math.isfinite(trial.value):
-                last[task.space.fit(trial.config)] = trial
-        kept = [(config, trial) for config, trial in last.items() if task.space.contains(config) and task.space.prune_reason(config) is None]
-        chosen = tuple(config for config, _ in sorted(kept, key=lambda item: speed_rank(item[1]))[: self.settings.recorded])
+            if trial.key.kind is task.kind and trial.batch in last and math.isfinite(trial.value):
+                last[trial.batch][task.space.fit(trial.config)] = trial
+        chosen: dict[KernelConfig, None] = {}
+        for trials in last.values():
+            kept = [(config, trial) for config, trial in trials.items() if task.space.contains(config) and task.space.prune_reason(config) is None]
+            chosen.update((config, None) for config, _ in sorted(kept, key=lambda item: speed_rank(item[1]))[: self.settings.recorded])
         if not chosen:
             log.warning("%s: the records%s hold no passing trial to time again", task.label, f" of {self.source.header['shape']}" if self.source else "")
-        return chosen
+        return tuple(chosen)
+
+    def _source_batches(self, task: SearchTask) -> tuple[int, ...]:
+        """The batches whose trials recorded mode takes: the task's own, and from another shape's records also the batch
+        of equal work, where it is a whole number: the one whose rows hold as many state values as the task's batch
+        (a TP8 split's batch 256 takes the unsplit shape's batch 32 too, whose launch grid is the same size)."""
+        if self.source is None:
+            return (task.batch,)
+        source_shape = task.spec.shape(self.source.header["shape"])
+        equal, rest = divmod(task.batch * _state_values(task.shape), _state_values(source_shape))
+        return (task.batch,) if rest or equal in (0, task.batch) else (task.batch, equal)
 
     def _measure(self, task: SearchTask, config: KernelConfig, study: str) -> tuple[TrialRecord, bool]:
         """The trial of `config` at the task's batch: from the records if known, else timed and saved."""
@@ -401,6 +416,11 @@ def _sampler(settings: TuneSettings, previous_trials: int) -> optuna.samplers.Ba
 def _best(results: dict[KernelConfig, TrialRecord]) -> TrialRecord | None:
     passing = [r for r in results.values() if math.isfinite(r.value)]
     return min(passing, key=speed_rank) if passing else None
+
+
+def _state_values(shape: TargetShape) -> int:
+    """State values per batch row (every head's value_dim x key_dim)."""
+    return shape.heads * shape.value_dim * shape.key_dim
 
 
 def tune(
