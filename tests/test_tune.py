@@ -870,7 +870,7 @@ def test_tune_command_end_to_end_on_a_fake_gpu(tmp_path, monkeypatch, capsys):
     args = ["tune", spec_file, "--shape", "nemotron-h-tp2", "--kernels", "replay_decode", "--batch", "64", "--recorded", "1", "--recorded-from", "nemotron-h",
             "--compile-workers", "0", "--out", str(out)]
     assert main(args) == 0
-    assert "the 1 fastest recorded configs each of nemotron-h, timed at each shape" in capsys.readouterr().out
+    assert "the 1 fastest recorded configs each of nemotron-h at the same batch and the batch of equal work, timed at each shape" in capsys.readouterr().out
     assert read_records(out / "h100" / "mamba2_nemotron_h_tp2.json").trials
     assert main(["tune", spec_file, "--recorded-from", "nemotron-h"]) == 2
     assert "--recorded-from needs --recorded K" in capsys.readouterr().err
@@ -938,6 +938,23 @@ def test_recorded_mode_ranks_each_config_by_its_latest_trial(mamba2, tmp_path):
     assert [c for c, _ in fake.timed] == [second.config]
 
 
+def tune_from(mamba2, tmp_path, source, shape, batches):
+    """Recorded mode (2 configs per search) for `shape`'s replay decode from another shape's records `source`, on a
+    fake GPU: (results, the shape's records, the fake)."""
+    fake = FakeGPU()
+    target = RecordStore(record_path(tmp_path, "h100", mamba2, shape), spec="mamba2", shape=shape.name, gpu="h100")
+    results = tune(
+        plan_tasks(mamba2, (shape,), (RD,), batches),
+        evaluator_for=fake.evaluator,
+        store_for=lambda s: target,
+        environment=env(),
+        settings=TuneSettings(mode=Mode.RECORDED, recorded=2),
+        progress=Progress(),
+        source=source,
+    )
+    return results, target, fake
+
+
 def test_recorded_mode_from_another_shape_times_its_winners_at_this_shape(mamba2, tmp_path):
     """--recorded-from: the fastest configs of a neighbour shape's records (those this shape's space does not hold
     left out), timed at this shape and written to this shape's records; the neighbour's records stay as they were."""
@@ -949,17 +966,7 @@ def test_recorded_mode_from_another_shape_times_its_winners_at_this_shape(mamba2
     small = replace(mamba2.shape("nemotron-h-tp8"), value_dim=16)
     fits = [c for c in ranked if c.block_v <= 16][:2]
     assert fits != ranked[:2]  # the source's fastest include a block_v beyond this shape's value_dim
-    fake = FakeGPU()
-    target = RecordStore(record_path(tmp_path, "h100", mamba2, small), spec="mamba2", shape=small.name, gpu="h100")
-    results = tune(
-        plan_tasks(mamba2, (small,), (RD,), (8,)),
-        evaluator_for=fake.evaluator,
-        store_for=lambda s: target,
-        environment=env(),
-        settings=TuneSettings(mode=Mode.RECORDED, recorded=2),
-        progress=Progress(),
-        source=source,
-    )
+    results, target, fake = tune_from(mamba2, tmp_path, source, small, (8,))
     assert [c for c, _ in fake.timed] == fits and results[0].measured == 2
     assert [t.config for t in target.trials] == fits and source.trials == source_trials
 
@@ -975,17 +982,7 @@ def test_recorded_mode_from_another_shape_also_takes_the_batch_of_equal_work(mam
     records = [trial(mamba2, full, RD, c, 8, ms) for c, ms in ms_b8.items()] + [trial(mamba2, full, RD, c, 1, ms) for c, ms in ms_b1.items()]
     records += [trial(mamba2, full, RD, c, 4, ms) for c, ms in ms_b8.items()]
     source = RecordStore(write(tmp_path, mamba2, full, records), spec="mamba2", shape=full.name, gpu="h100")
-    fake = FakeGPU()
-    target = RecordStore(record_path(tmp_path, "h100", mamba2, split), spec="mamba2", shape=split.name, gpu="h100")
-    tune(
-        plan_tasks(mamba2, (split,), (RD,), (8, 4)),
-        evaluator_for=fake.evaluator,
-        store_for=lambda s: target,
-        environment=env(),
-        settings=TuneSettings(mode=Mode.RECORDED, recorded=2),
-        progress=Progress(),
-        source=source,
-    )
+    _, _, fake = tune_from(mamba2, tmp_path, source, split, (8, 4))
     b8, b4 = [c for c, b in fake.timed if b == 8], [c for c, b in fake.timed if b == 4]
     assert b8 == [configs[1], configs[3], configs[0], configs[2]]
     assert b4 == [configs[1], configs[3]]

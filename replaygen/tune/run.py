@@ -127,5 +127,5 @@ def source_records(spec: Spec, shape_name: str, out_dir: Path, gpu: str) -> Reco
 
 def _mode_text(settings: TuneSettings, recorded_from: str | None = None) -> str:
     if settings.mode is Mode.RECORDED:
-        return f"the {settings.recorded} fastest recorded configs each" + (f" of {recorded_from}, timed at each shape" if recorded_from else ", timed again")
+        return f"the {settings.recorded} fastest recorded configs each" + (f" of {recorded_from} at the same batch and the batch of equal work, timed at each shape" if recorded_from else ", timed again")
     return "exhaustive" if settings.mode is Mode.EXHAUSTIVE else f"{settings.trials} Optuna trials each"
