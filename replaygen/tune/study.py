@@ -47,6 +47,7 @@ from replaygen.codegen import template_hash
 from replaygen.configs import KernelConfig, KernelKind
 from replaygen.errors import ReplaygenError
 from replaygen.spec.model import DecayGranularity, Spec, TargetShape
+from replaygen.traffic import state_bytes
 from replaygen.tune.objective import Evaluator, TuneAborted
 from replaygen.tune.records import Environment, RecordStore, TrialRecord, TrialStatus, canonical_sha256, latest_trials, render_candidate, spec_content_sha256, speed_rank
 from replaygen.tune.space import Scale, SearchSpace, derive_space
@@ -259,12 +260,12 @@ class Tuner:
 
     def _source_batches(self, task: SearchTask) -> tuple[int, ...]:
         """The batches whose trials recorded mode takes: the task's own, and from another shape's records also the batch
-        of equal work, where it is a whole number: the one whose rows hold as many state values as the task's batch
+        of equal work, where it is a whole number: the one whose rows hold as many state bytes as the task's batch
         (a TP8 split's batch 256 takes the unsplit shape's batch 32 too, whose launch grid is the same size)."""
         if self.source is None:
             return (task.batch,)
         source_shape = task.spec.shape(self.source.header["shape"])
-        equal, rest = divmod(task.batch * _state_values(task.shape), _state_values(source_shape))
+        equal, rest = divmod(task.batch * state_bytes(task.spec, task.shape), state_bytes(task.spec, source_shape))
         return (task.batch,) if rest or equal in (0, task.batch) else (task.batch, equal)
 
     def _measure(self, task: SearchTask, config: KernelConfig, study: str) -> tuple[TrialRecord, bool]:
@@ -416,11 +417,6 @@ def _sampler(settings: TuneSettings, previous_trials: int) -> optuna.samplers.Ba
 def _best(results: dict[KernelConfig, TrialRecord]) -> TrialRecord | None:
     passing = [r for r in results.values() if math.isfinite(r.value)]
     return min(passing, key=speed_rank) if passing else None
-
-
-def _state_values(shape: TargetShape) -> int:
-    """State values per batch row (every head's value_dim x key_dim)."""
-    return shape.heads * shape.value_dim * shape.key_dim
 
 
 def tune(
