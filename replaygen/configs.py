@@ -21,10 +21,10 @@ Until a tuning record exists for a GPU, `build --allow-default` uses
 from __future__ import annotations
 
 import enum
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from replaygen.errors import UnsupportedShapeError
-from replaygen.spec.model import DecayGranularity, Spec, TargetShape
+from replaygen.spec.model import DecayGranularity, Spec, TargetShape, UpdateKind
 
 
 # Groups of slots whose aligned flushes fall on different steps of the clock, unless `build --flush-groups` says
@@ -195,9 +195,10 @@ def validate_config(kind: KernelKind, shape: TargetShape, config: KernelConfig) 
         raise UnsupportedShapeError(f"{kind.value}: flush_at={config.flush_at} must be 0 (= L) or 1..L={shape.capacity}")
 
 
-def default_configs(kind: KernelKind, shape: TargetShape, *, channel_decay: bool = False) -> tuple[BucketConfig, ...]:
+def default_configs(kind: KernelKind, shape: TargetShape, *, channel_decay: bool = False, delta_rule: bool = False) -> tuple[BucketConfig, ...]:
     """Hand-picked defaults for one kernel kind (used when no tuning record is applied; `channel_decay`: the spec
-    decays per channel, so the scores cannot be precomputed once per key head).
+    decays per channel, so the scores cannot be precomputed once per key head; `delta_rule`: the spec's update is the
+    delta rule, whose verify window carries a triangular solve and the key readouts).
 
     Distilled from the H100 tuning records (docs/perf.md, entries 13-15); a tuning record replaces them per GPU:
     - replay decode: up to batch 8, 32 value rows, 4 warps, the flush fused into the decode kernel, flush every L
@@ -207,7 +208,12 @@ def default_configs(kind: KernelKind, shape: TargetShape, *, channel_decay: bool
       steps (align_flushes, where the scores kernel runs) in two groups of slots half a period apart (flush_groups), so a
       flushing step folds half the rows and costs about a baseline step (docs/perf.md entry 29).
     - replay verify: batch 1, the state route over 8 value rows and one warp, no scores launch (the fewest
-      launches); above, one warp per 16 value rows, output-only with precomputed scores overlapped, evict-first.
+      launches); up to batch 8, one warp per 16 value rows, output-only with precomputed scores overlapped,
+      evict-first; above, the same with the fold two entries at a time and, for the delta rule, the verify split
+      (its window half over 64 value rows, one warp, the ring read only where live) or otherwise a 128-register cap
+      (key_dim <= 128, where the tile fits in it). Over the H100 records of windows 2-8 these came within 7% of each
+      bucket's winner from batch 32, where the up-to-batch-8 config was up to 32% (GDN) and 30% (Mamba-2) slower
+      (docs/perf.md entry 38).
     - the others: 16 value rows, 4 warps (the baseline streams the state at the copy bandwidth so).
     """
     cap = max(16, _next_pow2(shape.value_dim))
@@ -224,10 +230,15 @@ def default_configs(kind: KernelKind, shape: TargetShape, *, channel_decay: bool
             ),
         )
     if kind is KernelKind.REPLAY_VERIFY:
-        return (
-            BucketConfig(1, KernelConfig(block_v=CURSOR_GRAIN, num_warps=1, route=Route.STATE_AND_OUTPUT, evict_state=True)),
-            BucketConfig(None, KernelConfig(block_v=min(16, cap), num_warps=1, precompute_scores=scores, overlap_scores=scores, evict_state=True)),
-        )
+        small = KernelConfig(block_v=min(16, cap), num_warps=1, precompute_scores=scores, overlap_scores=scores, evict_state=True)
+        if not scores:
+            large = small
+        elif delta_rule:
+            large = replace(small, fold_chunk=2, prefetch_ring=False, window_block_v=min(64, cap), window_warps=1)
+        else:
+            large = replace(small, fold_chunk=2, max_registers=128 if shape.key_dim <= 128 else 0)
+        single = BucketConfig(1, KernelConfig(block_v=CURSOR_GRAIN, num_warps=1, route=Route.STATE_AND_OUTPUT, evict_state=True))
+        return (single, BucketConfig(None, small)) if large == small else (single, BucketConfig(8, small), BucketConfig(None, large))
     if kind is KernelKind.COMMIT:
         return (BucketConfig(None, KernelConfig(block_v=max(CURSOR_GRAIN, _next_pow2(shape.value_dim)), num_warps=4)),)
     return (BucketConfig(None, KernelConfig(block_v=16, num_warps=4)),)
@@ -236,7 +247,8 @@ def default_configs(kind: KernelKind, shape: TargetShape, *, channel_decay: bool
 def module_defaults(spec: Spec, shape: TargetShape) -> dict[KernelKind, tuple[BucketConfig, ...]]:
     """`default_configs` of every kernel kind for `shape` of `spec`."""
     channel = spec.decay.granularity is DecayGranularity.CHANNEL
-    return {kind: default_configs(kind, shape, channel_decay=channel) for kind in KernelKind}
+    delta = spec.update.kind is UpdateKind.DELTA
+    return {kind: default_configs(kind, shape, channel_decay=channel, delta_rule=delta) for kind in KernelKind}
 
 
 def _next_pow2(n: int) -> int:

@@ -5,13 +5,15 @@ from dataclasses import replace
 
 import pytest
 import torch
+import triton
 
-from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route, module_defaults
+from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route, bucket_config, module_defaults
 from replaygen.harness import check_decode, check_speculative
 from replaygen.runtime import load_kernels
 from replaygen.spec import load_spec, load_spec_text
 from replaygen.spec.model import CacheField, UpdateKind
 from replaygen.errors import SpecError, UnsupportedShapeError
+from replaygen.tune.space import derive_space
 
 from conftest import DEVICE, ODD, ROOT, SMALL
 
@@ -194,3 +196,32 @@ def test_default_configs_precompute_scores_only_for_a_per_head_decay():
         assert per_head[kind][-1].config.precompute_scores and per_head[kind][-1].config.overlap_scores
         assert not any(b.config.precompute_scores or b.config.overlap_scores for b in per_channel[kind])
     assert per_head[KernelKind.REPLAY_VERIFY][0].config.route is Route.STATE_AND_OUTPUT  # batch 1: no scores launch
+
+
+def test_default_verify_above_batch_8_splits_for_the_delta_rule_and_caps_registers_otherwise():
+    """From batch 9 the default verify folds two entries at a time; the delta rule's runs split (window half over
+    64 value rows or the whole head, one warp, the ring read where live), the additive update's keeps one launch with
+    a 128-register cap where key_dim <= 128; a per-channel decay, with no scores kernel to split against, keeps the
+    batch-8 config. Every default is a point of its search space, and the delta rule's runs against the reference."""
+    mamba2 = load_spec(ROOT / "specs" / "mamba2.yaml")
+    kda = load_spec_text(GDN_TEXT.replace("granularity: head", "granularity: channel"), "kda.yaml")
+    wide = replace(SMALL, key_dim=192)
+    cases = [(gdn(), SMALL), (gdn(), mamba2.shape("nemotron-h")), (mamba2, SMALL), (mamba2, wide), (kda, SMALL)]
+    for spec, shape in cases:
+        table = module_defaults(spec, shape)[KernelKind.REPLAY_VERIFY]
+        small, large = bucket_config(table, 8), bucket_config(table, 9)
+        delta = spec.update.kind is UpdateKind.DELTA
+        if spec is kda:
+            assert large == small and len(table) == 2 and not large.window_block_v
+            continue
+        assert (large.fold_chunk, small.fold_chunk) == (2, 4)
+        assert large.window_block_v == (min(64, max(16, triton.next_power_of_2(shape.value_dim))) if delta else 0)
+        assert large.prefetch_ring is not delta
+        assert large.max_registers == (128 if not delta and shape.key_dim <= 128 else 0)
+        for batch in (8, 9):
+            space = derive_space(KernelKind.REPLAY_VERIFY, shape, batch, channel_decay=False, delta_rule=delta)
+            assert space.default == bucket_config(table, batch) and space.contains(space.default)
+    spec, shape = gdn(), replace(SMALL, capacity=6, window=3)
+    verify = bucket_config(module_defaults(spec, shape)[KernelKind.REPLAY_VERIFY], 9)
+    module = load_kernels(spec, shape, {KernelKind.REPLAY_VERIFY: (BucketConfig(None, verify),)})
+    assert_passes(check_speculative(module, spec, shape, device=DEVICE, steps=5, seed=21))

@@ -227,8 +227,9 @@ class SearchSpace:
         return replace(self, parameters=tuple(fixed if p.name == name else p for p in self.parameters))
 
 
-def derive_space(kind: KernelKind, shape: TargetShape, batch: int, channel_decay: bool = False) -> SearchSpace:
-    """The search space of `kind` for `shape` at batch size `batch` (`channel_decay`: the spec decays per channel)."""
+def derive_space(kind: KernelKind, shape: TargetShape, batch: int, channel_decay: bool = False, delta_rule: bool = False) -> SearchSpace:
+    """The search space of `kind` for `shape` at batch size `batch` (`channel_decay`: the spec decays per channel;
+    `delta_rule`: its update is the delta rule, which only the documented default depends on)."""
     top = max(16, _next_pow2(shape.value_dim))
     block_v = tuple(1 << e for e in range(CURSOR_GRAIN.bit_length() - 1, top.bit_length()))
     decode = kind is KernelKind.REPLAY_DECODE
@@ -255,12 +256,12 @@ def derive_space(kind: KernelKind, shape: TargetShape, batch: int, channel_decay
         Parameter("window_block_v", (0, *(b for b in block_v if b >= 16)) if verify and not channel_decay else (0,), Scale.CATEGORICAL),
         Parameter("window_warps", NUM_WARPS if verify and not channel_decay else (1,), Scale.LOG2),
     )
-    return SearchSpace(kind=kind, shape=shape, parameters=parameters, default=default_config(kind, shape, batch, channel_decay))
+    return SearchSpace(kind=kind, shape=shape, parameters=parameters, default=default_config(kind, shape, batch, channel_decay, delta_rule))
 
 
-def default_config(kind: KernelKind, shape: TargetShape, batch: int, channel_decay: bool = False) -> KernelConfig:
+def default_config(kind: KernelKind, shape: TargetShape, batch: int, channel_decay: bool = False, delta_rule: bool = False) -> KernelConfig:
     """The documented default for `batch` (its bucket of `default_configs`), flush_at 0 written as L."""
-    config = bucket_config(default_configs(kind, shape, channel_decay=channel_decay), batch)
+    config = bucket_config(default_configs(kind, shape, channel_decay=channel_decay, delta_rule=delta_rule), batch)
     if kind is KernelKind.REPLAY_DECODE and config.flush_at == 0:
         config = replace(config, flush_at=shape.capacity)
     return config

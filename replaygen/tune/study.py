@@ -46,7 +46,7 @@ from optuna.trial import TrialState
 from replaygen.codegen import template_hash
 from replaygen.configs import KernelConfig, KernelKind
 from replaygen.errors import ReplaygenError
-from replaygen.spec.model import DecayGranularity, Spec, TargetShape
+from replaygen.spec.model import DecayGranularity, Spec, TargetShape, UpdateKind
 from replaygen.traffic import state_bytes
 from replaygen.tune.objective import Evaluator, TuneAborted
 from replaygen.tune.records import Environment, RecordStore, TrialRecord, TrialStatus, canonical_sha256, latest_trials, render_candidate, spec_content_sha256, speed_rank
@@ -115,7 +115,7 @@ def plan_tasks(spec: Spec, shapes: tuple[TargetShape, ...], kinds: tuple[KernelK
     for shape in shapes:
         for batch in batches:
             for kind in kinds:
-                space = derive_space(kind, shape, batch, spec.decay.granularity is DecayGranularity.CHANNEL)
+                space = derive_space(kind, shape, batch, spec.decay.granularity is DecayGranularity.CHANNEL, spec.update.kind is UpdateKind.DELTA)
                 for name, value in fixed:
                     if name in {p.name for p in space.free}:
                         space = space.fix(name, value)
