@@ -230,15 +230,15 @@ def default_configs(kind: KernelKind, shape: TargetShape, *, channel_decay: bool
             ),
         )
     if kind is KernelKind.REPLAY_VERIFY:
+        single = BucketConfig(1, KernelConfig(block_v=CURSOR_GRAIN, num_warps=1, route=Route.STATE_AND_OUTPUT, evict_state=True))
         small = KernelConfig(block_v=min(16, cap), num_warps=1, precompute_scores=scores, overlap_scores=scores, evict_state=True)
         if not scores:
-            large = small
-        elif delta_rule:
+            return (single, BucketConfig(None, small))
+        if delta_rule:
             large = replace(small, fold_chunk=2, prefetch_ring=False, window_block_v=min(64, cap), window_warps=1)
         else:
             large = replace(small, fold_chunk=2, max_registers=128 if shape.key_dim <= 128 else 0)
-        single = BucketConfig(1, KernelConfig(block_v=CURSOR_GRAIN, num_warps=1, route=Route.STATE_AND_OUTPUT, evict_state=True))
-        return (single, BucketConfig(None, small)) if large == small else (single, BucketConfig(8, small), BucketConfig(None, large))
+        return (single, BucketConfig(8, small), BucketConfig(None, large))
     if kind is KernelKind.COMMIT:
         return (BucketConfig(None, KernelConfig(block_v=max(CURSOR_GRAIN, _next_pow2(shape.value_dim)), num_warps=4)),)
     return (BucketConfig(None, KernelConfig(block_v=16, num_warps=4)),)
