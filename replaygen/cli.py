@@ -123,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
         "same batch and at the batch of equal work (as many state values per step: a TP8 split's batch 256 also takes "
         "the unsplit shape's batch 32); a new shape, e.g. a tensor-parallel split, starts from a tuned neighbour's "
         "winners, each timed at its own sizes"))
+    p.add_argument("--recorded-gpu", default=None, metavar="GPU", help=(
+        "with --recorded, take the K fastest configs of another GPU's records under OUT instead (made with this Triton "
+        "and replaygen version), each shape's own or --recorded-from's: a new GPU starts from the winners of one tuned "
+        "before, each timed on this one"))
     p.add_argument("--retime", action="store_true", help=(
         "with --exhaustive or --recorded, time every candidate again even where OUT holds its trial (crashed ones excepted); "
         "the new trial supersedes the old one in the records"))
@@ -420,6 +424,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise ReplaygenError("--recorded and --exhaustive exclude each other (the first times recorded configs, the second every candidate)")
     if args.recorded_from and not args.recorded:
         raise ReplaygenError("--recorded-from needs --recorded K (the number of its fastest configs to time)")
+    if args.recorded_gpu and not args.recorded:
+        raise ReplaygenError("--recorded-gpu needs --recorded K (the number of its fastest configs to time)")
     if args.retime and not (args.exhaustive or args.recorded):
         raise ReplaygenError("--retime needs --exhaustive or --recorded (an Optuna search steers by the values its journal already holds)")
     if args.compile_workers is not None and args.compile_workers < 0:
@@ -447,6 +453,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         retime=args.retime,
         recorded=args.recorded,
         recorded_from=args.recorded_from,
+        recorded_gpu=args.recorded_gpu,
     )
     return 0
 

@@ -877,7 +877,18 @@ def test_tune_command_end_to_end_on_a_fake_gpu(tmp_path, monkeypatch, capsys):
     assert main(["tune", spec_file, "--recorded", "1", "--recorded-from", "nemotron-x", "--out", str(out)]) == 2
     assert "--recorded-from nemotron-x: " in capsys.readouterr().err
     assert main(["tune", spec_file, "--recorded", "1", "--recorded-from", "nemotron-h-l8", "--out", str(out)]) == 2
-    assert "--recorded-from nemotron-h-l8: no records at" in capsys.readouterr().err
+    assert "--recorded-from nemotron-h-l8: no records of nemotron-h-l8 at" in capsys.readouterr().err
+    args = ["tune", spec_file, "--shape", "nemotron-h", "--kernels", "replay_decode", "--batch", "64", "--recorded", "1", "--recorded-gpu", "h100",
+            "--gpu", "h200", "--compile-workers", "0", "--out", str(out)]
+    assert main(args) == 0
+    assert "the 1 fastest recorded configs each on h100 at the same batch, timed at each shape" in capsys.readouterr().out
+    assert {t.environment.gpu for t in read_records(out / "h200" / "mamba2_nemotron_h.json").trials} == {"h200"}
+    assert main(["tune", spec_file, "--recorded-gpu", "h100"]) == 2
+    assert "--recorded-gpu needs --recorded K" in capsys.readouterr().err
+    assert main(["tune", spec_file, "--recorded", "1", "--recorded-gpu", "H100", "--out", str(out)]) == 2
+    assert "--recorded-gpu 'H100' must be lowercase" in capsys.readouterr().err
+    assert main(["tune", spec_file, "--shape", "nemotron-h", "--shape", "nemotron-h-l8", "--recorded", "1", "--recorded-gpu", "h100", "--gpu", "h200", "--out", str(out)]) == 2
+    assert "--recorded-gpu h100: no records of nemotron-h-l8 at" in capsys.readouterr().err
     assert main(["tune", spec_file, "--shape", "nemotron-h", "--kernels", "baseline_decode", "--fix", "flush_at=3", "--out", str(out)]) == 2
     assert "--fix flush_at=3" in capsys.readouterr().err
 
@@ -950,7 +961,7 @@ def tune_from(mamba2, tmp_path, source, shape, batches):
         environment=env(),
         settings=TuneSettings(mode=Mode.RECORDED, recorded=2),
         progress=Progress(),
-        source=source,
+        source_for=lambda s: source,
     )
     return results, target, fake
 
@@ -986,6 +997,31 @@ def test_recorded_mode_from_another_shape_also_takes_the_batch_of_equal_work(mam
     b8, b4 = [c for c, b in fake.timed if b == 8], [c for c, b in fake.timed if b == 4]
     assert b8 == [configs[1], configs[3], configs[0], configs[2]]
     assert b4 == [configs[1], configs[3]]
+
+
+def test_recorded_mode_from_another_gpu_times_its_winners_on_this_one(mamba2, tmp_path):
+    """--recorded-gpu: the fastest configs of another GPU's records of the shape, of those made with this Triton and
+    replaygen (a faster trial made with another Triton left out), timed on this GPU and written to its records."""
+    shape = mamba2.shape("nemotron-h")
+    configs = [KernelConfig(block_v=bv, num_warps=w, flush_at=16) for bv in (16, 32) for w in (1, 2)]
+    records = [trial(mamba2, shape, RD, c, 8, ms) for c, ms in zip(configs, (4.0, 1.0, 3.0, 2.0))]
+    other_triton = KernelConfig(block_v=64, num_warps=1, flush_at=16)
+    records.append(trial(mamba2, shape, RD, other_triton, 8, 0.5, environment=env(triton="0.0.1")))
+    source = RecordStore(write(tmp_path, mamba2, shape, records), spec="mamba2", shape=shape.name, gpu="h100")
+    fake = FakeGPU()
+    target = RecordStore(record_path(tmp_path, "h200", mamba2, shape), spec="mamba2", shape=shape.name, gpu="h200")
+    results = tune(
+        plan_tasks(mamba2, (shape,), (RD,), (8,)),
+        evaluator_for=fake.evaluator,
+        store_for=lambda s: target,
+        environment=env(gpu="h200", device_name="NVIDIA H200"),
+        settings=TuneSettings(mode=Mode.RECORDED, recorded=2),
+        progress=Progress(),
+        source_for=lambda s: source,
+    )
+    assert [c for c, _ in fake.timed] == [configs[1], configs[3]] and results[0].measured == 2
+    assert [(t.config, t.environment.gpu) for t in target.trials] == [(configs[1], "h200"), (configs[3], "h200")]
+    assert source.trials == tuple(records)
 
 
 def test_recorded_mode_without_records_times_nothing(mamba2, tmp_path, caplog):

@@ -59,16 +59,18 @@ def run_tune(
     retime: bool = False,
     recorded: int = 0,
     recorded_from: str | None = None,
+    recorded_gpu: str | None = None,
 ) -> list[SearchResult]:
     """Tune on the current CUDA device; records go to out_dir/<gpu>/, the summary to stdout. `recorded` > 0 times
     that many recorded configs per search again instead of searching (study.Mode.RECORDED), taken from the records of
-    shape `recorded_from` of the spec on this GPU when given (each shape's own otherwise)."""
+    shape `recorded_from` (each shape's own by default) on GPU `recorded_gpu` (this one by default) under out_dir."""
     import torch
 
     device = torch.device("cuda")
     gpu = gpu or gpu_name_of(torch.cuda.get_device_name(device))
-    if not GPU_NAME.match(gpu):
-        raise ReplaygenError(f"--gpu '{gpu}' must be lowercase letters, digits, '-' or '_' (e.g. h100)")
+    for flag, name in (("--gpu", gpu), ("--recorded-gpu", recorded_gpu)):
+        if name is not None and not GPU_NAME.match(name):
+            raise ReplaygenError(f"{flag} '{name}' must be lowercase letters, digits, '-' or '_' (e.g. h100)")
     dtype_name = next(d for d in ACTIVATION_PREFERENCE if d in {a.value for a in spec.activations})
     act_dtype = getattr(torch, dtype_name)
     environment = current_environment(gpu, device)
@@ -83,11 +85,11 @@ def run_tune(
         recorded=recorded or 1,
     )
     tasks = plan_tasks(spec, shapes, kinds, batches, fixed)
-    source = source_records(spec, recorded_from, out_dir, gpu) if recorded_from else None
+    sources = record_sources(spec, shapes, out_dir, recorded_from, recorded_gpu, gpu) if recorded_from or recorded_gpu else None
     stores = {shape.name: RecordStore(record_path(out_dir, gpu, spec, shape), spec=spec.name, shape=shape.name, gpu=gpu) for shape in shapes}
     print(
         f"tuning {spec.name} on {environment.device_name} (sm {environment.compute_capability}, triton {environment.triton}) as '{gpu}', "
-        f"{dtype_name}: {len(tasks)} searches, {_mode_text(settings, recorded_from)}",
+        f"{dtype_name}: {len(tasks)} searches, {_mode_text(settings, recorded_from, recorded_gpu)}",
         flush=True,
     )
     warmer = cache_warmer(environment.compute_capability, dtype_name, compile_workers) if settings.mode is not Mode.OPTUNA else None
@@ -101,7 +103,7 @@ def run_tune(
             progress=LineProgress(sys.stderr, trials if settings.mode is Mode.OPTUNA else None),
             timeout_s=timeout_s,
             warm=warmer,
-            source=source,
+            source_for=(lambda shape: sources[shape.name]) if sources else None,
         )
     finally:
         if warmer is not None:
@@ -113,19 +115,31 @@ def run_tune(
     return results
 
 
-def source_records(spec: Spec, shape_name: str, out_dir: Path, gpu: str) -> RecordStore:
-    """The records of `spec`'s shape `shape_name` on `gpu` under out_dir, for `tune --recorded-from`."""
+def record_sources(
+    spec: Spec, shapes: tuple[TargetShape, ...], out_dir: Path, shape_name: str | None, source_gpu: str | None, gpu: str
+) -> dict[str, RecordStore]:
+    """Per tuned shape, the records recorded mode takes its configs from (`tune --recorded-from`, `--recorded-gpu`):
+    those of `spec`'s shape `shape_name` (each tuned shape's own where None) on `source_gpu` (this `gpu` where None)
+    under out_dir. Every one must exist before a trial runs."""
+    flags = " ".join(f for f in (f"--recorded-from {shape_name}" if shape_name else "", f"--recorded-gpu {source_gpu}" if source_gpu else "") if f)
+    gpu = source_gpu or gpu
     try:
-        shape = spec.shape(shape_name)
+        source_shape = spec.shape(shape_name) if shape_name else None
     except KeyError as exc:
         raise ReplaygenError(f"--recorded-from {shape_name}: {exc.args[0]}") from None
-    path = record_path(out_dir, gpu, spec, shape)
-    if not path.exists():
-        raise ReplaygenError(f"--recorded-from {shape_name}: no records at {path} (tune that shape on this GPU first, or pass --out and --gpu)")
-    return RecordStore(path, spec=spec.name, shape=shape.name, gpu=gpu)
+    sources = {}
+    for shape in shapes:
+        source = source_shape or shape
+        path = record_path(out_dir, gpu, spec, source)
+        if not path.exists():
+            raise ReplaygenError(f"{flags}: no records of {source.name} at {path} (tune that shape on {gpu} first, or pass --out)")
+        sources[shape.name] = RecordStore(path, spec=spec.name, shape=source.name, gpu=gpu)
+    return sources
 
 
-def _mode_text(settings: TuneSettings, recorded_from: str | None = None) -> str:
+def _mode_text(settings: TuneSettings, recorded_from: str | None = None, recorded_gpu: str | None = None) -> str:
     if settings.mode is Mode.RECORDED:
-        return f"the {settings.recorded} fastest recorded configs each" + (f" of {recorded_from} at the same batch and the batch of equal work, timed at each shape" if recorded_from else ", timed again")
+        where = (f" of {recorded_from}" if recorded_from else "") + (f" on {recorded_gpu}" if recorded_gpu else "")
+        equal = " and the batch of equal work" if recorded_from else ""
+        return f"the {settings.recorded} fastest recorded configs each" + (f"{where} at the same batch{equal}, timed at each shape" if where else ", timed again")
     return "exhaustive" if settings.mode is Mode.EXHAUSTIVE else f"{settings.trials} Optuna trials each"

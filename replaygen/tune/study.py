@@ -22,7 +22,8 @@ Recorded mode searches nothing: it times again the fastest configs the records h
 earlier kernel code included, so a kernel change is re-validated by timing its winners instead of a search. Its
 configs may come from another shape's records instead (`tune --recorded-from`): a new shape (a tensor-parallel
 split, another buffer capacity) starts from a neighbour's winners at the same batch and at the batch of equal work,
-timed at its own sizes.
+timed at its own sizes. They may also come from another GPU's records (`tune --recorded-gpu`): a new GPU starts
+from the winners of one tuned before, each timed on the new one.
 """
 
 from __future__ import annotations
@@ -192,7 +193,8 @@ class Tuner:
     ):
         """`storage`: the Optuna storage (see make_storage; None: in memory); unused in exhaustive mode. `warm` is told
         an exhaustive search's candidates before they are measured (tune.warm.CacheWarmer compiles them ahead).
-        `source`: the records recorded mode takes its configs from (None: this shape's own, `store`)."""
+        `source`: the records recorded mode takes its configs from (None: this shape's own, `store`): another shape's
+        on this GPU, or any shape's on another GPU (`tune --recorded-gpu`)."""
         self.shape = shape
         self.source = source
         self.warm = warm
@@ -213,13 +215,19 @@ class Tuner:
         }
 
     def _comparable_trials(self, store: RecordStore | None = None) -> list[TrialRecord]:
-        """The latest trials (records.latest_trials) of `store` (default: this shape's records) made in this environment
-        with this activation dtype."""
-        fingerprint = self.environment.fingerprint()
-        return [
-            t for t in latest_trials((store or self.store).trials)
-            if t.environment.fingerprint() == fingerprint and t.activation_dtype == self.settings.activation_dtype
-        ]
+        """The latest trials (records.latest_trials) of `store` (default: this shape's records) with this activation dtype,
+        made in this environment; for another GPU's records, made there with this Triton and replaygen version (the same
+        kernel code, on that GPU's device)."""
+        store = store or self.store
+        here = self.environment
+        gpu = store.header["gpu"]
+
+        def comparable(made: Environment) -> bool:
+            if gpu == here.gpu:
+                return made == here
+            return made.gpu == gpu and (made.triton, made.replaygen) == (here.triton, here.replaygen)
+
+        return [t for t in latest_trials(store.trials) if comparable(t.environment) and t.activation_dtype == self.settings.activation_dtype]
 
     def study_name(self, task: SearchTask) -> str:
         digest = canonical_sha256({
@@ -255,7 +263,8 @@ class Tuner:
             kept = [(config, trial) for config, trial in trials.items() if task.space.contains(config) and task.space.prune_reason(config) is None]
             chosen.update((config, None) for config, _ in sorted(kept, key=lambda item: speed_rank(item[1]))[: self.settings.recorded])
         if not chosen:
-            log.warning("%s: the records%s hold no passing trial to time again", task.label, f" of {self.source.header['shape']}" if self.source else "")
+            source = f" of {self.source.header['shape']} on {self.source.header['gpu']}" if self.source else ""
+            log.warning("%s: the records%s hold no passing trial to time again", task.label, source)
         return tuple(chosen)
 
     def _source_batches(self, task: SearchTask) -> tuple[int, ...]:
@@ -429,10 +438,10 @@ def tune(
     progress: Progress,
     timeout_s: float | None = None,
     warm: Callable[[SearchTask, tuple[KernelConfig, ...]], None] | None = None,
-    source: RecordStore | None = None,
+    source_for: Callable[[TargetShape], RecordStore] | None = None,
 ) -> list[SearchResult]:
-    """Run every task; with `timeout_s`, each search gets an equal share of the time left (`warm`, `source`: see
-    Tuner)."""
+    """Run every task; with `timeout_s`, each search gets an equal share of the time left (`warm`: see Tuner;
+    `source_for(shape)`: the Tuner's `source` for that shape, None: each shape's own records)."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     storage = make_storage(settings) if settings.mode is Mode.OPTUNA else None
     end = None if timeout_s is None else time.monotonic() + timeout_s
@@ -450,7 +459,7 @@ def tune(
                 progress=progress,
                 storage=storage,
                 warm=warm,
-                source=source,
+                source=source_for(task.shape) if source_for else None,
             )
         deadline = None if end is None else time.monotonic() + (end - time.monotonic()) / (len(tasks) - index)
         progress.search_started(index, len(tasks), task)
