@@ -394,11 +394,11 @@
 #      "max_registers": 0,
 #      "num_stages": 1,
 #      "num_warps": 1,
-#      "overlap_scores": true,
-#      "precompute_scores": true,
-#      "prefetch_ring": false,
+#      "overlap_scores": false,
+#      "precompute_scores": false,
+#      "prefetch_ring": true,
 #      "readout_dot": false,
-#      "route": "output_only"
+#      "route": "state_and_output"
 #     }
 #    ],
 #    [
@@ -537,7 +537,7 @@ _LOAD_CONFIGS = (
 )
 _REPLAY_VERIFY_CONFIGS = (
     (1, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'state_and_output', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
-    (2, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': False, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True}),
+    (2, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'state_and_output', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
     (4, {'block_v': 32, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': False, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True}),
     (None, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 2, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 128, 'evict_state': True, 'overlap_scores': True}),
 )
