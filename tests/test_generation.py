@@ -79,15 +79,23 @@ def test_build_writes_then_reports_unchanged(mamba2, tmp_path):
     assert not any(m.written for m in second)
 
 
+COMMITTED_GPUS = sorted(path.name for path in (ROOT / "generated").iterdir() if path.is_dir() and not path.name.startswith("_"))
+
+
+@pytest.mark.parametrize("gpu", COMMITTED_GPUS)
 @pytest.mark.parametrize("name", ["mamba2", "gdn"])
-def test_committed_modules_are_current(name, tmp_path):
-    """generated/h100 holds exactly what `replaygen build specs/<spec>.yaml --gpu h100 --allow-default` writes
-    (the records of tune/h100 where they exist, the documented defaults elsewhere)."""
+def test_committed_modules_are_current(name, gpu, tmp_path):
+    """generated/<gpu> holds exactly what `replaygen build specs/<spec>.yaml --gpu <gpu> --allow-default` writes
+    (the records of tune/<gpu> where they exist, the documented defaults elsewhere)."""
     spec = load_spec(ROOT / "specs" / f"{name}.yaml")
-    for module in build_spec(spec, spec.shapes, "h100", tmp_path, tune_dir=ROOT / "tune", allow_default=True):
-        committed = ROOT / "generated" / "h100" / module.path.name
-        assert committed.is_file(), f"{committed} is missing: run replaygen build specs/{name}.yaml --gpu h100 --allow-default"
+    for module in build_spec(spec, spec.shapes, gpu, tmp_path, tune_dir=ROOT / "tune", allow_default=True):
+        committed = ROOT / "generated" / gpu / module.path.name
+        assert committed.is_file(), f"{committed} is missing: run replaygen build specs/{name}.yaml --gpu {gpu} --allow-default"
         assert committed.read_text() == module.path.read_text(), f"{committed} is stale: rebuild it"
+
+
+def test_every_gpu_with_records_has_committed_modules():
+    assert {path.name for path in (ROOT / "tune").iterdir() if path.is_dir()} <= set(COMMITTED_GPUS)
 
 
 def test_bad_gpu_name(mamba2, tmp_path):
