@@ -122,7 +122,7 @@ def record_sources(
     those of `spec`'s shape `shape_name` (each tuned shape's own where None) on `source_gpu` (this `gpu` where None)
     under out_dir. Every one must exist before a trial runs."""
     flags = " ".join(f for f in (f"--recorded-from {shape_name}" if shape_name else "", f"--recorded-gpu {source_gpu}" if source_gpu else "") if f)
-    gpu = source_gpu or gpu
+    folder = source_gpu or gpu
     try:
         source_shape = spec.shape(shape_name) if shape_name else None
     except KeyError as exc:
@@ -130,10 +130,10 @@ def record_sources(
     sources = {}
     for shape in shapes:
         source = source_shape or shape
-        path = record_path(out_dir, gpu, spec, source)
+        path = record_path(out_dir, folder, spec, source)
         if not path.exists():
-            raise ReplaygenError(f"{flags}: no records of {source.name} at {path} (tune that shape on {gpu} first, or pass --out)")
-        sources[shape.name] = RecordStore(path, spec=spec.name, shape=source.name, gpu=gpu)
+            raise ReplaygenError(f"{flags}: no records of {source.name} at {path} (tune that shape on {folder} first, or pass --out)")
+        sources[shape.name] = RecordStore(path, spec=spec.name, shape=source.name, gpu=folder)
     return sources
 
 
