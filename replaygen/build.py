@@ -19,6 +19,12 @@ log = logging.getLogger(__name__)
 GPU_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
 
 
+def check_gpu_name(name: str, flag: str = "--gpu") -> None:
+    """ReplaygenError naming `flag` unless `name` can name a records or modules folder (GPU_NAME)."""
+    if not GPU_NAME.match(name):
+        raise ReplaygenError(f"{flag} '{name}' must be lowercase letters, digits, '-' or '_' (e.g. h100)")
+
+
 @dataclass(frozen=True)
 class BuiltModule:
     path: Path
@@ -58,8 +64,7 @@ def build_spec(
     `allow_default`) or a corrupt one stops the build with TuningRecordError. `spread_flushes`: no replay-decode
     config with align_flushes; `flush_groups`: the aligned ones flush in that many groups (see `resolve_configs`).
     """
-    if not GPU_NAME.match(gpu):
-        raise ReplaygenError(f"--gpu '{gpu}' must be lowercase letters, digits, '-' or '_' (e.g. h100)")
+    check_gpu_name(gpu)
     resolved = [
         (shape, resolve_configs(spec, shape, gpu, tune_dir, allow_default=allow_default, accept_env_mismatch=accept_env_mismatch, spread_flushes=spread_flushes,
                                   flush_groups=flush_groups))

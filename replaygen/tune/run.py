@@ -6,7 +6,7 @@ import re
 import sys
 from pathlib import Path
 
-from replaygen.build import GPU_NAME
+from replaygen.build import check_gpu_name
 from replaygen.configs import KernelKind
 from replaygen.errors import ReplaygenError
 from replaygen.offline import architecture
@@ -68,9 +68,9 @@ def run_tune(
 
     device = torch.device("cuda")
     gpu = gpu or gpu_name_of(torch.cuda.get_device_name(device))
-    for flag, name in (("--gpu", gpu), ("--recorded-gpu", recorded_gpu)):
-        if name is not None and not GPU_NAME.match(name):
-            raise ReplaygenError(f"{flag} '{name}' must be lowercase letters, digits, '-' or '_' (e.g. h100)")
+    check_gpu_name(gpu)
+    if recorded_gpu is not None:
+        check_gpu_name(recorded_gpu, "--recorded-gpu")
     dtype_name = next(d for d in ACTIVATION_PREFERENCE if d in {a.value for a in spec.activations})
     act_dtype = getattr(torch, dtype_name)
     environment = current_environment(gpu, device)
