@@ -61,7 +61,7 @@
 #     }
 #    ],
 #    [
-#     null,
+#     128,
 #     {
 #      "block_v": 8,
 #      "evict_state": true,
@@ -72,6 +72,25 @@
 #      "max_registers": 0,
 #      "num_stages": 1,
 #      "num_warps": 1,
+#      "overlap_scores": false,
+#      "precompute_scores": false,
+#      "prefetch_ring": true,
+#      "readout_dot": false,
+#      "route": "output_only"
+#     }
+#    ],
+#    [
+#     null,
+#     {
+#      "block_v": 8,
+#      "evict_state": true,
+#      "flush_at": 0,
+#      "fold_chunk": 4,
+#      "fold_dot": false,
+#      "fused_flush": true,
+#      "max_registers": 0,
+#      "num_stages": 1,
+#      "num_warps": 2,
 #      "overlap_scores": false,
 #      "precompute_scores": false,
 #      "prefetch_ring": true,
@@ -261,7 +280,7 @@
 #     }
 #    ],
 #    [
-#     null,
+#     256,
 #     {
 #      "align_flushes": true,
 #      "block_v": 16,
@@ -269,6 +288,27 @@
 #      "flush_at": 16,
 #      "flush_groups": 2,
 #      "fold_chunk": 2,
+#      "fold_dot": false,
+#      "fused_flush": true,
+#      "max_registers": 0,
+#      "num_stages": 1,
+#      "num_warps": 1,
+#      "overlap_scores": true,
+#      "precompute_scores": true,
+#      "prefetch_ring": false,
+#      "readout_dot": false,
+#      "route": "output_only"
+#     }
+#    ],
+#    [
+#     null,
+#     {
+#      "align_flushes": true,
+#      "block_v": 32,
+#      "evict_state": true,
+#      "flush_at": 28,
+#      "flush_groups": 2,
+#      "fold_chunk": 4,
 #      "fold_dot": false,
 #      "fused_flush": true,
 #      "max_registers": 0,
@@ -362,7 +402,7 @@
 #     }
 #    ],
 #    [
-#     null,
+#     128,
 #     {
 #      "block_v": 16,
 #      "evict_state": true,
@@ -380,6 +420,48 @@
 #      "route": "output_only",
 #      "window_block_v": 128,
 #      "window_warps": 2
+#     }
+#    ],
+#    [
+#     256,
+#     {
+#      "block_v": 16,
+#      "evict_state": true,
+#      "flush_at": 0,
+#      "fold_chunk": 2,
+#      "fold_dot": false,
+#      "fused_flush": true,
+#      "max_registers": 0,
+#      "num_stages": 1,
+#      "num_warps": 1,
+#      "overlap_scores": true,
+#      "precompute_scores": true,
+#      "prefetch_ring": false,
+#      "readout_dot": false,
+#      "route": "output_only",
+#      "window_block_v": 128,
+#      "window_warps": 2
+#     }
+#    ],
+#    [
+#     null,
+#     {
+#      "block_v": 16,
+#      "evict_state": true,
+#      "flush_at": 0,
+#      "fold_chunk": 2,
+#      "fold_dot": false,
+#      "fused_flush": true,
+#      "max_registers": 0,
+#      "num_stages": 1,
+#      "num_warps": 1,
+#      "overlap_scores": true,
+#      "precompute_scores": true,
+#      "prefetch_ring": false,
+#      "readout_dot": false,
+#      "route": "output_only",
+#      "window_block_v": 128,
+#      "window_warps": 4
 #     }
 #    ]
 #   ]
@@ -464,12 +546,14 @@ _BASELINE_DECODE_CONFIGS = (
     (2, {'block_v': 8, 'num_warps': 8, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
     (8, {'block_v': 16, 'num_warps': 8, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
     (32, {'block_v': 32, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
-    (None, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
+    (128, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
+    (None, {'block_v': 8, 'num_warps': 2, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
 )
 _REPLAY_DECODE_CONFIGS = (
     (8, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
     (32, {'block_v': 32, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
-    (None, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 16, 'prefetch_ring': False, 'fold_chunk': 2, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True, 'align_flushes': True, 'flush_groups': 2}),
+    (256, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 16, 'prefetch_ring': False, 'fold_chunk': 2, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True, 'align_flushes': True, 'flush_groups': 2}),
+    (None, {'block_v': 32, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 28, 'prefetch_ring': False, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True, 'align_flushes': True, 'flush_groups': 2}),
 )
 _MATERIALIZE_CONFIGS = (
     (None, {'block_v': 16, 'num_warps': 4, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': False, 'overlap_scores': False}),
@@ -482,7 +566,9 @@ _REPLAY_VERIFY_CONFIGS = (
     (2, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'state_and_output', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True}),
     (8, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'state_and_output', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
     (32, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 128, 'evict_state': True, 'overlap_scores': True, 'window_block_v': 128, 'window_warps': 2}),
-    (None, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': False, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 128, 'evict_state': True, 'overlap_scores': True, 'window_block_v': 128, 'window_warps': 2}),
+    (128, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': False, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 128, 'evict_state': True, 'overlap_scores': True, 'window_block_v': 128, 'window_warps': 2}),
+    (256, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': False, 'fold_chunk': 2, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True, 'window_block_v': 128, 'window_warps': 2}),
+    (None, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': False, 'fold_chunk': 2, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True, 'window_block_v': 128, 'window_warps': 4}),
 )
 _COMMIT_CONFIGS = (
     (None, {'block_v': 128, 'num_warps': 4, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': False, 'overlap_scores': False}),
