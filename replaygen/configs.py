@@ -16,6 +16,10 @@ Until a tuning record exists for a GPU, `build --allow-default` uses
   same steps as every other (docs/perf.md entry 28); with `flush_groups` G
   the slots form G groups (slot % G) that flush on G evenly spaced steps of
   the clock, so each flushing step folds 1/G of the rows (entry 29).
+- `early_launch` (replay decode and verify, compute capability 9.0 and newer): the step's scores kernel and replay
+  kernel launch as programmatic dependents of the kernel before them, so their launch overlaps its last programs;
+  each waits for it before its first memory access (docs/perf.md entry 42). Off in every default, so the modules
+  and records of configs without it read as before it existed.
 """
 
 from __future__ import annotations
@@ -86,6 +90,7 @@ class KernelConfig:
     flush_groups: int = 1  # replay decode with align_flushes: slot % flush_groups picks the clock step its rows flush on
     window_block_v: int = 0  # replay verify: 0 = one kernel; else the checkpoint readouts and the window's work split (see below)
     window_warps: int = 1  # replay verify with window_block_v: warps of the window launch (max_registers caps the other only)
+    early_launch: bool = False  # replay decode and verify: the step's kernels launch early, each waiting for the kernel before (sm90+)
 
     # window_block_v > 0 splits replay verify into two launches of its kernel: the checkpoint half (fold, state
     # store, the checkpoint read at every window token) over block_v value rows per program writes the readouts
@@ -97,8 +102,8 @@ class KernelConfig:
         return {**asdict(self), "route": self.route.value}
 
     def as_dict(self) -> dict[str, object]:
-        """The written form: every field; align_flushes, flush_groups and the window split only where they are set, so the configs that do not use
-        them (and the tuning records and module tables of every kind written before they existed) read as they did."""
+        """The written form: every field; align_flushes, flush_groups, the window split and early_launch only where they are set, so the
+        configs that do not use them (and the tuning records and module tables of every kind written before they existed) read as they did."""
         return {
             "block_v": self.block_v,
             "num_warps": self.num_warps,
@@ -115,7 +120,8 @@ class KernelConfig:
             "evict_state": self.evict_state,
             "overlap_scores": self.overlap_scores,
         } | ({"align_flushes": True} if self.align_flushes else {}) | ({"flush_groups": self.flush_groups} if self.flush_groups != 1 else {}) | (
-            {"window_block_v": self.window_block_v, "window_warps": self.window_warps} if self.window_block_v else {})
+            {"window_block_v": self.window_block_v, "window_warps": self.window_warps} if self.window_block_v else {}) | (
+            {"early_launch": True} if self.early_launch else {})
 
 
 @dataclass(frozen=True)
@@ -189,6 +195,8 @@ def validate_config(kind: KernelKind, shape: TargetShape, config: KernelConfig) 
             raise UnsupportedShapeError(f"{kind.value}: window_block_v={config.window_block_v} must be 0 or a power of two from {CURSOR_GRAIN} to value_dim={shape.value_dim} rounded up")
     if config.window_warps not in (1, 2, 4, 8, 16) or (config.window_warps != 1 and not config.window_block_v):
         raise UnsupportedShapeError(f"{kind.value}: window_warps={config.window_warps} must be 1, 2, 4, 8 or 16, and 1 without window_block_v")
+    if config.early_launch and kind not in (KernelKind.REPLAY_DECODE, KernelKind.REPLAY_VERIFY):
+        raise UnsupportedShapeError(f"{kind.value}: early_launch applies to replay_decode and replay_verify only (the baselines launch as they always did)")
     if config.max_registers and not 24 <= config.max_registers <= 255:
         raise UnsupportedShapeError(f"{kind.value}: max_registers={config.max_registers} must be 0 (no cap) or 24..255")
     if not 0 <= config.flush_at <= shape.capacity:

@@ -11,7 +11,7 @@ running it. A kernel that the interpreter runs but the GPU compiler rejects, or 
 the GPU has, is found without the GPU.
 
 The module decides on the host whether a replay kernel runs as a programmatic dependent launch, by the device's
-compute capability (`_overlap_scores`); for CPU tensors it would say no, so the worker makes that decision for the
+compute capability (`_overlap_scores`, `_early_launch`); for CPU tensors it would say no, so the worker makes that decision for the
 target architecture instead.
 """
 
@@ -354,6 +354,8 @@ def _compile(job: CompileJob) -> CompileReport:
     if not hasattr(module, "_overlap_scores"):
         raise ReplaygenError(f"{plan.module_name} has no _overlap_scores: offline compilation does not know this module's launch code")
     module._overlap_scores = lambda config, device: bool(config["overlap_scores"]) and arch.dependent_launch
+    if hasattr(module, "_early_launch"):  # only where a bucket launches early (early_launch)
+        module._early_launch = lambda config, device: bool(config.get("early_launch", False)) and arch.dependent_launch
     failures = []
     for label, call in _calls(module, plan, getattr(torch, job.act_dtype), job.kinds):
         recorder.call = label

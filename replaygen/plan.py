@@ -77,6 +77,7 @@ class ModulePlan:
     gate_optional: bool
     flags: tuple[tuple[str, str], ...]  # constexpr switches of the optional inputs: (switch, the input that sets it)
     fold_leftovers_in_memory: bool  # flush-every-step decode: see leftovers_in_memory
+    early_launch: bool  # some replay decode or verify bucket launches early: the kernels take EARLY_WAIT (KernelConfig.early_launch)
     # API
     step_inputs: tuple[TensorArg, ...]
     weights: tuple[TensorArg, ...]
@@ -145,6 +146,7 @@ def plan_module(
         gate_optional=spec.readout.gate is not None and spec.readout.gate.optional,
         flags=optional_input_flags(spec),
         fold_leftovers_in_memory=leftovers_in_memory(spec),
+        early_launch=any(b.config.early_launch for kind in (KernelKind.REPLAY_DECODE, KernelKind.REPLAY_VERIFY) for b in configs[kind]),
         step_inputs=step_inputs,
         weights=weights,
         buffers=_buffers(spec, shape),

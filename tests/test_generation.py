@@ -136,6 +136,10 @@ def test_invalid_config_rejected_before_compile(mamba2):
     configs[KernelKind.REPLAY_VERIFY] = (BucketConfig(None, KernelConfig(block_v=16, precompute_scores=True, window_warps=2)),)
     with pytest.raises(UnsupportedShapeError, match="window_warps=2 .* 1 without window_block_v"):
         plan_module(mamba2, shape, "h100", configs, "defaults")
+    configs[KernelKind.REPLAY_VERIFY] = default_configs(KernelKind.REPLAY_VERIFY, shape)
+    configs[KernelKind.COMMIT] = (BucketConfig(None, KernelConfig(block_v=16, early_launch=True)),)
+    with pytest.raises(UnsupportedShapeError, match="commit: early_launch applies to replay_decode and replay_verify only"):
+        plan_module(mamba2, shape, "h100", configs, "defaults")
 
 
 def test_every_shape_of_every_shipped_spec_compiles(mamba2):

@@ -6,7 +6,7 @@ import pytest
 
 from replaygen import codegen
 from replaygen.cli import main
-from replaygen.configs import KernelKind, module_defaults
+from replaygen.configs import BucketConfig, KernelKind, module_defaults
 from replaygen.errors import ReplaygenError
 from replaygen.offline import CALLS, Architecture, CompileRun, architecture, bucket_batches, compile_job, compile_modules
 from replaygen.spec import load_spec, load_spec_text
@@ -95,6 +95,23 @@ def test_spec_variants_compile(variant_reports, case):
 def compile_one(spec, shape, arch=SM90):
     (report,) = compile_modules([compile_job(spec, shape, module_defaults(spec, shape), arch, "bfloat16")])
     return report
+
+
+@pytest.mark.parametrize("name", ["mamba2", "gdn"])
+def test_early_launch_compiles_for_the_h100(name):
+    """Configs that launch early (early_launch): the scores, replay decode and replay verify kernels compiled for
+    sm_90 with their wait for the kernel before them (griddepcontrol), launched as programmatic dependents, in one
+    launch and split, with and without overlapped scores."""
+    spec = SPECS[name]
+    tables = module_defaults(spec, SMALL)
+    decode = tables[KernelKind.REPLAY_DECODE][-1].config
+    verify = tables[KernelKind.REPLAY_VERIFY][-1].config
+    tables[KernelKind.REPLAY_DECODE] = (BucketConfig(1, replace(decode, early_launch=True, flush_at=1, align_flushes=False, flush_groups=1)), BucketConfig(None, replace(decode, early_launch=True, precompute_scores=True, overlap_scores=True)))
+    tables[KernelKind.REPLAY_VERIFY] = (BucketConfig(1, replace(verify, early_launch=True, precompute_scores=False, overlap_scores=False, window_block_v=0, window_warps=1)), BucketConfig(None, replace(verify, early_launch=True, precompute_scores=True, overlap_scores=True, window_block_v=8)))
+    (report,) = compile_modules([compile_job(spec, SMALL, tables, SM90, "bfloat16")])
+    assert_compiled(report)
+    launched = {call for k in report.kernels for call in k.launched_by}
+    assert {"decode b1", "decode b2", "verify b1", "verify b2"} <= launched
 
 
 def test_shared_memory_beyond_the_architecture_fails_the_call(mamba2):

@@ -5,11 +5,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route
+from replaygen.codegen import render_module
+from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route, module_defaults
 from replaygen.harness import check_decode, check_speculative
+from replaygen.plan import plan_module
 from replaygen.runtime import load_kernels
+from replaygen.spec import load_spec
 
-from conftest import DEVICE, ODD, SMALL
+from conftest import DEVICE, ODD, ROOT, SMALL
 
 SPEC_SHAPE = replace(SMALL, capacity=8, window=4)
 
@@ -100,6 +103,29 @@ def test_split_verify(mamba2, tokens, window_block_v, overlap):
     module = load_kernels(mamba2, shape, {KernelKind.REPLAY_VERIFY: (BucketConfig(None, verify),)})
     report = check_speculative(module, mamba2, shape, device=DEVICE, tokens=tokens, mixed=True, steps=12, seed=30 + tokens)
     assert_passes(report, ("replay_verify", "replay_decode", "materialize"))
+
+
+@pytest.mark.parametrize("spec_file", ["mamba2.yaml", "gdn.yaml"])
+def test_early_launch_changes_no_result(spec_file):
+    """early_launch (the step's kernels as programmatic dependents of the kernel before them, each waiting for it
+    first; sm90+ only, so the interpreter runs them in stream order): decode on both kinds of step, verify + commit
+    in one launch and split, with and without overlapped scores, against the reference; where no config launches
+    early the module has no trace of it, so the kernels the records timed are unchanged."""
+    spec = load_spec(ROOT / "specs" / spec_file)
+    shape = replace(SMALL, capacity=9, window=4)
+    decode = KernelConfig(block_v=8, num_warps=1, precompute_scores=True, overlap_scores=True, early_launch=True)
+    verify = KernelConfig(block_v=8, num_warps=1, precompute_scores=True, early_launch=True)
+    split = replace(verify, overlap_scores=True, window_block_v=8)
+    tables = {KernelKind.REPLAY_DECODE: (BucketConfig(2, replace(decode, flush_at=1)), BucketConfig(None, decode)),
+              KernelKind.REPLAY_VERIFY: (BucketConfig(2, replace(verify, precompute_scores=False)), BucketConfig(None, split))}
+    module = load_kernels(spec, shape, tables)
+    assert not module._early_launch({"early_launch": True}, torch.device(DEVICE))
+    for batch in (2, 3):
+        report = check_speculative(module, spec, shape, device=DEVICE, tokens=4, mixed=True, steps=10, seed=40 + batch, batch=batch)
+        assert_passes(report, ("replay_verify", "replay_decode", "materialize"))
+    plain = {kind: (BucketConfig(None, replace(table[-1].config, early_launch=False)),) for kind, table in tables.items()}
+    assert "EARLY_WAIT" in render_module(plan_module(spec, shape, "any", module_defaults(spec, shape) | tables, "defaults"))
+    assert "EARLY_WAIT" not in render_module(plan_module(spec, shape, "any", module_defaults(spec, shape) | plain, "defaults"))
 
 
 def test_bf16_activations(mamba2, kernels):

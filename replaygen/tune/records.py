@@ -264,6 +264,7 @@ def config_from_dict(raw: dict) -> KernelConfig:
         flush_groups=_int(raw.get("flush_groups", default.flush_groups)),
         window_block_v=_int(raw.get("window_block_v", default.window_block_v)),
         window_warps=_int(raw.get("window_warps", default.window_warps)),
+        early_launch=_bool(raw.get("early_launch", default.early_launch)),
     )
 
 
