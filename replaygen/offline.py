@@ -10,9 +10,9 @@ block. The stand-in then records the launch (kernel; registers, local memory and
 running it. A kernel that the interpreter runs but the GPU compiler rejects, or that needs more shared memory than
 the GPU has, is found without the GPU.
 
-The module decides on the host whether a replay kernel runs as a programmatic dependent launch, by the device's
-compute capability (`_overlap_scores`, `_early_launch`); for CPU tensors it would say no, so the worker makes that decision for the
-target architecture instead.
+The module decides on the host whether its scores and replay kernels launch as programmatic dependents, by the
+device's compute capability (`_overlap_scores`, and `_early_launch` where a bucket sets early_launch); for CPU
+tensors it would say no, so the worker makes that decision for the target architecture instead.
 """
 
 from __future__ import annotations
