@@ -20,11 +20,6 @@ Until a tuning record exists for a GPU, `build --allow-default` uses
   kernel launch as programmatic dependents of the kernel before them, so their launch overlaps its last programs;
   each waits for it before its first memory access (docs/perf.md entry 42). Off in every default, so the modules
   and records of configs without it read as before it existed.
-- `readout_chunk` (the split verify's checkpoint half): the base read at every window token by tensor-core products
-  over key chunks of this many keys, the state streamed through shared memory in chunks instead of held whole in
-  registers; tf32 products where the activations are 16-bit (their error, about 2^-11 of the readout's scale, is
-  under the activations' own rounding, 2^-9), three tf32 products (about fp32 accuracy) for fp32 activations
-  (docs/perf.md entry 44). Off in every default, as early_launch.
 """
 
 from __future__ import annotations
@@ -96,7 +91,6 @@ class KernelConfig:
     window_block_v: int = 0  # replay verify: 0 = one kernel; else the checkpoint readouts and the window's work split (see below)
     window_warps: int = 1  # replay verify with window_block_v: warps of the window launch (max_registers caps the other only)
     early_launch: bool = False  # replay decode and verify: the step's kernels launch early, each waiting for the kernel before (sm90+)
-    readout_chunk: int = 0  # split verify's checkpoint half: 0 = readouts on the CUDA cores; else tensor-core readouts over key chunks of this size
 
     # window_block_v > 0 splits replay verify into two launches of its kernel: the checkpoint half (fold, state
     # store, the checkpoint read at every window token) over block_v value rows per program writes the readouts
@@ -108,7 +102,7 @@ class KernelConfig:
         return {**asdict(self), "route": self.route.value}
 
     def as_dict(self) -> dict[str, object]:
-        """The written form: every field; align_flushes, flush_groups, the window split, early_launch and readout_chunk only where they are set, so the
+        """The written form: every field; align_flushes, flush_groups, the window split and early_launch only where they are set, so the
         configs that do not use them (and the tuning records and module tables of every kind written before they existed) read as they did."""
         return {
             "block_v": self.block_v,
@@ -127,7 +121,7 @@ class KernelConfig:
             "overlap_scores": self.overlap_scores,
         } | ({"align_flushes": True} if self.align_flushes else {}) | ({"flush_groups": self.flush_groups} if self.flush_groups != 1 else {}) | (
             {"window_block_v": self.window_block_v, "window_warps": self.window_warps} if self.window_block_v else {}) | (
-            {"early_launch": True} if self.early_launch else {}) | ({"readout_chunk": self.readout_chunk} if self.readout_chunk else {})
+            {"early_launch": True} if self.early_launch else {})
 
 
 @dataclass(frozen=True)
@@ -203,13 +197,6 @@ def validate_config(kind: KernelKind, shape: TargetShape, config: KernelConfig) 
         raise UnsupportedShapeError(f"{kind.value}: window_warps={config.window_warps} must be 1, 2, 4, 8 or 16, and 1 without window_block_v")
     if config.early_launch and kind not in (KernelKind.REPLAY_DECODE, KernelKind.REPLAY_VERIFY):
         raise UnsupportedShapeError(f"{kind.value}: early_launch applies to replay_decode and replay_verify only (the baselines launch as they always did)")
-    if config.readout_chunk:
-        if kind is not KernelKind.REPLAY_VERIFY or not config.window_block_v:
-            raise UnsupportedShapeError(f"{kind.value}: readout_chunk applies to the split verify's checkpoint half (replay_verify with window_block_v)")
-        if config.readout_chunk < MIN_DOT or config.readout_chunk & (config.readout_chunk - 1) or config.readout_chunk > max(MIN_DOT, _next_pow2(shape.key_dim)):
-            raise UnsupportedShapeError(f"{kind.value}: readout_chunk={config.readout_chunk} must be 0 or a power of two from {MIN_DOT} (tl.dot) to key_dim={shape.key_dim} rounded up")
-        if config.block_v < MIN_DOT:
-            raise UnsupportedShapeError(f"{kind.value}: readout_chunk needs block_v >= {MIN_DOT} (tl.dot), got {config.block_v}")
     if config.max_registers and not 24 <= config.max_registers <= 255:
         raise UnsupportedShapeError(f"{kind.value}: max_registers={config.max_registers} must be 0 (no cap) or 24..255")
     if not 0 <= config.flush_at <= shape.capacity:

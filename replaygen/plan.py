@@ -78,7 +78,6 @@ class ModulePlan:
     flags: tuple[tuple[str, str], ...]  # constexpr switches of the optional inputs: (switch, the input that sets it)
     fold_leftovers_in_memory: bool  # flush-every-step decode: see leftovers_in_memory
     early_launch: bool  # some replay decode or verify bucket launches early: the kernels take EARLY_WAIT (KernelConfig.early_launch)
-    chunked_readouts: bool  # some replay verify bucket reads the checkpoint by tensor-core products over key chunks (KernelConfig.readout_chunk)
     # API
     step_inputs: tuple[TensorArg, ...]
     weights: tuple[TensorArg, ...]
@@ -148,7 +147,6 @@ def plan_module(
         flags=optional_input_flags(spec),
         fold_leftovers_in_memory=leftovers_in_memory(spec),
         early_launch=any(b.config.early_launch for kind in (KernelKind.REPLAY_DECODE, KernelKind.REPLAY_VERIFY) for b in configs[kind]),
-        chunked_readouts=any(b.config.readout_chunk for b in configs[KernelKind.REPLAY_VERIFY]),
         step_inputs=step_inputs,
         weights=weights,
         buffers=_buffers(spec, shape),

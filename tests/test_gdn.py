@@ -8,9 +8,7 @@ import torch
 import triton
 
 from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route, bucket_config, module_defaults
-from replaygen.codegen import render_module
 from replaygen.harness import check_decode, check_speculative
-from replaygen.plan import plan_module
 from replaygen.runtime import load_kernels
 from replaygen.spec import load_spec, load_spec_text
 from replaygen.spec.model import CacheField, UpdateKind
@@ -103,23 +101,6 @@ def test_split_verify(block_v, fold_dot, prefetch):
     module = load_kernels(spec, shape, {KernelKind.REPLAY_VERIFY: (BucketConfig(None, verify),)})
     assert_passes(check_speculative(module, spec, shape, device=DEVICE, mixed=True, steps=12, seed=13))
     assert_passes(check_speculative(module, spec, shape, device=DEVICE, tokens=3, accept="all", steps=8, seed=14))
-
-
-@pytest.mark.parametrize("layout,fold_dot", [("value_key", False), ("key_value", True)])
-def test_split_verify_chunked_readouts(layout, fold_dot):
-    """readout_chunk: the split verify's checkpoint half reads the base by tensor-core products over key chunks (two
-    chunks of 16 over 20 keys, the second masked; 12 value rows in a 16-row tile) and loads the state tile whole only
-    to fold it on a flush, then reads the folded state back from memory. fp32 and bf16 activations."""
-    spec = gdn(layout)
-    shape = replace(ODD, capacity=9, window=4)
-    verify = KernelConfig(block_v=16, num_warps=1, precompute_scores=True, fold_dot=fold_dot, window_block_v=16, readout_chunk=16)
-    tables = {KernelKind.REPLAY_VERIFY: (BucketConfig(None, verify),)}
-    module = load_kernels(spec, shape, tables)
-    assert_passes(check_speculative(module, spec, shape, device=DEVICE, mixed=True, steps=12, seed=15))
-    assert_passes(check_speculative(module, spec, shape, device=DEVICE, act_dtype=torch.bfloat16, tokens=3, accept="all", steps=8, seed=16))
-    plain = {KernelKind.REPLAY_VERIFY: (BucketConfig(None, replace(verify, readout_chunk=0)),)}
-    assert "READOUT_CHUNK" in render_module(plan_module(spec, shape, "any", module_defaults(spec, shape) | tables, "defaults"))
-    assert "READOUT_CHUNK" not in render_module(plan_module(spec, shape, "any", module_defaults(spec, shape) | plain, "defaults"))
 
 
 def test_verify_all_accepted_and_mixed():

@@ -136,17 +136,6 @@ def test_invalid_config_rejected_before_compile(mamba2):
     configs[KernelKind.REPLAY_VERIFY] = (BucketConfig(None, KernelConfig(block_v=16, precompute_scores=True, window_warps=2)),)
     with pytest.raises(UnsupportedShapeError, match="window_warps=2 .* 1 without window_block_v"):
         plan_module(mamba2, shape, "h100", configs, "defaults")
-    configs[KernelKind.REPLAY_VERIFY] = (BucketConfig(None, KernelConfig(block_v=16, precompute_scores=True, readout_chunk=32)),)
-    with pytest.raises(UnsupportedShapeError, match="readout_chunk applies to the split verify's checkpoint half"):
-        plan_module(mamba2, shape, "h100", configs, "defaults")
-    split = KernelConfig(block_v=16, precompute_scores=True, window_block_v=64)
-    for chunk in (8, 24, 256):
-        configs[KernelKind.REPLAY_VERIFY] = (BucketConfig(None, replace(split, readout_chunk=chunk)),)
-        with pytest.raises(UnsupportedShapeError, match=f"readout_chunk={chunk} must be 0 or a power of two from 16 .tl.dot. to key_dim=128"):
-            plan_module(mamba2, shape, "h100", configs, "defaults")
-    configs[KernelKind.REPLAY_VERIFY] = (BucketConfig(None, replace(split, block_v=8, readout_chunk=32)),)
-    with pytest.raises(UnsupportedShapeError, match="readout_chunk needs block_v >= 16 .tl.dot., got 8"):
-        plan_module(mamba2, shape, "h100", configs, "defaults")
     configs[KernelKind.REPLAY_VERIFY] = default_configs(KernelKind.REPLAY_VERIFY, shape)
     configs[KernelKind.COMMIT] = (BucketConfig(None, KernelConfig(block_v=16, early_launch=True)),)
     with pytest.raises(UnsupportedShapeError, match="commit: early_launch applies to replay_decode and replay_verify only"):

@@ -93,15 +93,13 @@ def test_precomputed_scores(mamba2, tokens, readout_dot, route):
     assert_passes(report, ("replay_verify", "replay_decode", "materialize"))
 
 
-@pytest.mark.parametrize("tokens,window_block_v,overlap,readout_chunk", [(4, 16, False, 0), (3, 8, True, 0), (4, 16, True, 16)])
-def test_split_verify(mamba2, tokens, window_block_v, overlap, readout_chunk):
-    """The split verify (window_block_v): the checkpoint half, 8 value rows per program (16 with tensor-core readouts
-    over key chunks, readout_chunk), folds on flushes and writes the checkpoint readouts; the window half reads them
-    over window_block_v rows (16: the whole head and masked rows) and does the rest. Mixed with decode steps, through
-    flushes, a wrapping ring and padded rows."""
+@pytest.mark.parametrize("tokens,window_block_v,overlap", [(4, 16, False), (3, 8, True)])
+def test_split_verify(mamba2, tokens, window_block_v, overlap):
+    """The split verify (window_block_v): the checkpoint half, 8 value rows per program, folds on flushes and writes
+    the checkpoint readouts; the window half reads them over window_block_v rows (16: the whole head and masked rows)
+    and does the rest. Mixed with decode steps, through flushes, a wrapping ring and padded rows."""
     shape = replace(SMALL, capacity=9, window=4)
-    verify = KernelConfig(block_v=16 if readout_chunk else 8, num_warps=1, precompute_scores=True, overlap_scores=overlap, window_block_v=window_block_v,
-                          window_warps=2, readout_chunk=readout_chunk)
+    verify = KernelConfig(block_v=8, num_warps=1, precompute_scores=True, overlap_scores=overlap, window_block_v=window_block_v, window_warps=2)
     module = load_kernels(mamba2, shape, {KernelKind.REPLAY_VERIFY: (BucketConfig(None, verify),)})
     report = check_speculative(module, mamba2, shape, device=DEVICE, tokens=tokens, mixed=True, steps=12, seed=30 + tokens)
     assert_passes(report, ("replay_verify", "replay_decode", "materialize"))

@@ -31,8 +31,6 @@ templates read (nothing else is invented):
     window_block_v    replay_verify only, per-head decay only: 0 (one kernel) or the value rows per program of the
                       split verify's window half (16 and up; the checkpoint half keeps block_v)
     window_warps      replay_verify with window_block_v: warps of the window half (1, 2, 4, 8)
-    readout_chunk     replay_verify with window_block_v: 0 (readouts on the CUDA cores) or the key chunk of the
-                      checkpoint half's tensor-core readouts (32, 64)
 
 num_stages stays 1: no kernel has a loop whose loads Triton's pipeliner could prefetch (the fold's loads are
 unrolled by fold_chunk instead).
@@ -84,7 +82,6 @@ NUM_WARPS: tuple[int, ...] = (1, 2, 4, 8)
 MAX_REGISTERS: tuple[int, ...] = (0, 128)
 FOLD_CHUNKS: tuple[int, ...] = (1, 2, 4, 8)
 FLUSH_GROUPS: tuple[int, ...] = (1, 2, 4)
-READOUT_CHUNKS: tuple[int, ...] = (0, 32, 64)
 MAX_TILE_VALUES_PER_THREAD = 128
 
 
@@ -259,7 +256,6 @@ def derive_space(kind: KernelKind, shape: TargetShape, batch: int, channel_decay
         Parameter("window_block_v", (0, *(b for b in block_v if b >= 16)) if verify and not channel_decay else (0,), Scale.CATEGORICAL),
         Parameter("window_warps", NUM_WARPS if verify and not channel_decay else (1,), Scale.LOG2),
         Parameter("early_launch", both if replay else (False,), Scale.CATEGORICAL),
-        Parameter("readout_chunk", READOUT_CHUNKS if verify and not channel_decay else (0,), Scale.CATEGORICAL),
     )
     return SearchSpace(kind=kind, shape=shape, parameters=parameters, default=default_config(kind, shape, batch, channel_decay, delta_rule))
 
