@@ -29,7 +29,7 @@ from replaygen import __version__
 from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route, bucket_config, module_defaults
 from replaygen.errors import ReplaygenError
 from replaygen.harness import check_decode, check_speculative, relative_error
-from replaygen.measure import DecodeWorkload, Timing, VerifyWorkload, capture, copy_bandwidth, time_callable
+from replaygen.measure import ACCEPT, DecodeWorkload, Timing, VerifyWorkload, capture, copy_bandwidth, time_callable
 from replaygen.runtime import load_kernels
 from replaygen.spec.model import (
     DecayForm,
@@ -108,7 +108,7 @@ class VerifyRow:
     capacity: int
     batch: int
     tokens: int
-    accept: str  # "all" | "random"
+    accept: str  # "all" | "staggered" | "random" (measure.VerifyWorkload)
     kernel: str  # "baseline_verify" | "replay_verify"
     config: dict[str, object]
     timing: dict[str, float]
@@ -563,9 +563,9 @@ def bench_verify(
             best: dict[tuple[str, str], tuple[Timing, KernelConfig | None]] = {}
             for config, module in modules.items():
                 work.module = module
-                variants = [("replay_verify", "all"), ("replay_verify", "random")] + [("baseline_verify", "all")]
+                variants = [("replay_verify", accept) for accept in ACCEPT] + [("baseline_verify", "all")]
                 for kernel, accept in variants:
-                    steps = all_steps if accept == "all" else 8
+                    steps = 8 if accept == "random" else all_steps
                     timing = work.time_replay(accept, steps) if kernel == "replay_verify" else work.time_baseline(accept, steps)
                     if (kernel, accept) not in best or timing.median_ms < best[(kernel, accept)][0].median_ms:
                         best[(kernel, accept)] = (timing, config)
@@ -577,7 +577,7 @@ def bench_verify(
                 if kernel == "baseline_verify":
                     nbytes = baseline_verify_bytes(spec, vshape, act, tokens).total
                 else:
-                    mean_accepted = tokens if accept == "all" else max(1, round((1 + tokens) / 2))
+                    mean_accepted = max(1, round((1 + tokens) / 2)) if accept == "random" else tokens
                     nbytes = replay_verify_bytes(spec, vshape, act, tokens, mean_accepted).total
                 nbytes *= batch
                 rows.append(

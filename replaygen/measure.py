@@ -20,7 +20,7 @@ import torch
 
 from replaygen.harness import InputFactory
 from replaygen.spec.model import Spec, TargetShape
-from replaygen.traffic import state_bytes
+from replaygen.traffic import state_bytes, verify_flush_period
 
 MAX_LAYERS = 64
 
@@ -126,6 +126,13 @@ def random_replay_states(module: ModuleType, layers: int, batch: int, act_dtype:
     return states
 
 
+def set_entry_counts(states: list, counts: torch.Tensor) -> None:
+    """Every slot b of each replay state: the ring starting at position 0 with counts[b] ([batch] int32) entries."""
+    for state in states:
+        state.cursor[..., 0] = 0
+        state.cursor[..., 1] = counts.view(-1, *([1] * (state.cursor.dim() - 2)))
+
+
 class DecodeWorkload:
     """Layer states and inputs for timing one module's decode kernels at one batch size."""
 
@@ -156,10 +163,7 @@ class DecodeWorkload:
 
     def stagger(self, flush_at: int) -> None:
         """Start slot i with i % flush_at buffered entries, so sequences flush on different steps."""
-        phase = torch.arange(self.batch, dtype=torch.int32, device=self.slots.device) % flush_at
-        for state in self.replay:
-            state.cursor[..., 0] = 0
-            state.cursor[..., 1] = phase[:, None, None]
+        set_entry_counts(self.replay, torch.arange(self.batch, dtype=torch.int32, device=self.slots.device) % flush_at)
 
     def time_replay(self, route: str, flush_at: int, repeats: int = 30) -> Timing:
         """Per-step time of replay decode over whole flush cycles of `flush_at` steps, as many cycles as cover the
@@ -204,14 +208,17 @@ class DecodeWorkload:
         return time_callable(graph.replay, repeats=repeats, per_call=steps * self.layers)
 
 
-ACCEPT = ("all", "random")
+ACCEPT = ("all", "staggered", "random")
 
 
 class VerifyWorkload:
     """Layer states and window inputs for timing replay verify + commit against the snapshot baseline.
 
-    "all": every window token is accepted (the most flushes); "random": each step of the
-    captured cycle accepts a different random 1..T per sequence, so sequences diverge.
+    "all": every window token is accepted (the most flushes), every sequence starting with an empty buffer, so all
+    flush on the same step of the cycle (as a batch that started together does); "staggered": every token accepted,
+    sequence i starting at the (i mod n)-th of the n steps of the flush cycle, so each step flushes 1/n of them (as
+    sequences that started at different times do; 2-10% slower on the H100, docs/perf.md entry 46); "random": each
+    step of the captured cycle accepts a different random 1..T per sequence, so sequences diverge.
     """
 
     def __init__(
@@ -230,6 +237,7 @@ class VerifyWorkload:
         self.module = module
         self.batch = batch
         self.tokens = tokens
+        self.cycle = verify_flush_period(shape, tokens, tokens)  # entries at each step's start, every token accepted
         self.layers = layers or cold_layers(spec, shape, batch, device)
         factory = InputFactory(spec, shape, device, act_dtype, seed)
         self.weights = factory.weights()
@@ -245,16 +253,27 @@ class VerifyWorkload:
         self.gen = factory.gen
 
     def accepted(self, accept: str, steps: int, low: int = 1) -> list[torch.Tensor]:
+        """Accepted counts [batch] int32 for `steps` consecutive windows under `accept` (one of ACCEPT)."""
+        if accept not in ACCEPT:
+            raise ValueError(f"accept must be one of {ACCEPT}, got {accept!r}")
         device = self.slots.device
-        if accept == "all":
+        if accept in ("all", "staggered"):
             return [torch.full((self.batch,), self.tokens, dtype=torch.int32, device=device)] * steps
         return [torch.randint(low, self.tokens + 1, (self.batch,), generator=self.gen).to(device, torch.int32) for _ in range(steps)]
+
+    def start_buffers(self, accept: str) -> None:
+        """Every sequence's buffer as a timing under `accept` starts it: empty, or for "staggered" sequence i holding
+        the entries of the (i mod n)-th step of the n-step flush cycle."""
+        counts = torch.zeros(self.batch, dtype=torch.int32, device=self.slots.device)
+        if accept == "staggered":
+            cycle = torch.tensor(self.cycle, dtype=torch.int32, device=self.slots.device)
+            counts = cycle[torch.arange(self.batch, device=self.slots.device) % len(self.cycle)]
+        set_entry_counts(self.replay, counts)
 
     def time_replay(self, accept: str, steps: int, repeats: int = 20) -> Timing:
         """Per-step time of replay verify + commit over `steps` consecutive windows."""
         accepted = self.accepted(accept, steps)
-        for state in self.replay:
-            state.cursor.zero_()
+        self.start_buffers(accept)
 
         def cycle() -> None:
             for count in accepted:

@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 
 Row = dict[str, Any]
 PANEL_COLUMNS = 3
+# Legend text of the verify acceptance patterns (measure.VerifyWorkload).
+ACCEPT_LABELS = {"all": "all accepted", "staggered": "all accepted, flushes staggered", "random": "random acceptance"}
 
 
 class MatplotlibMissing(ReplaygenError):
@@ -172,9 +174,9 @@ def plot_speedup(result: Row, shape: str) -> Any | None:
         ax = axes[1]
         tokens = sorted({r["tokens"] for r in verify})
         for (t, _, accept), rows in _verify_series(verify, ("replay_verify",)).items():
-            style = "-" if accept == "all" else "--"
+            style = {"all": "-", "staggered": ":"}.get(accept, "--")
             ax.plot([r["batch"] for r in rows], [1 / r["vs_baseline_verify"] for r in rows], style, marker="o",
-                    color=_color(tokens.index(t)), label=f"T={t}, {accept} accepted")
+                    color=_color(tokens.index(t)), label=f"T={t}, {ACCEPT_LABELS.get(accept, accept)}")
         ax.axhline(1.0, color="gray", linewidth=1, label="snapshot verify")
         ax.set_title("replay verify + commit vs per-draft snapshots")
         ax.set_ylabel("speedup")
@@ -212,8 +214,7 @@ def plot_verify_cost(result: Row, shape: str) -> Any | None:
         return None
     batches = sorted({r["batch"] for r in verify})
     figure, axes = _panels(len(batches), _title(result, shape, "verify step cost vs window T (1 = one baseline decode step)"))
-    labels = {("baseline_verify", "all"): "snapshot verify", ("replay_verify", "all"): "replay verify, all accepted",
-              ("replay_verify", "random"): "replay verify, random acceptance"}
+    labels = {("baseline_verify", "all"): "snapshot verify"} | {("replay_verify", a): f"replay verify, {text}" for a, text in ACCEPT_LABELS.items()}
     for ax, batch in zip(axes, batches):
         rows = [r for r in verify if r["batch"] == batch]
         tokens = sorted({r["tokens"] for r in rows})

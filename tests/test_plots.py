@@ -42,7 +42,8 @@ def verify_rows(batch):
     base = 0.01 * batch
     rows = []
     for tokens in (2, 4, 8):
-        for kernel, accept, f in (("replay_verify", "all", 1.2), ("replay_verify", "random", 1.1), ("baseline_verify", "all", 0.6 * tokens)):
+        for kernel, accept, f in (("replay_verify", "all", 1.2), ("replay_verify", "staggered", 1.3), ("replay_verify", "random", 1.1),
+                                  ("baseline_verify", "all", 0.6 * tokens)):
             shape = "small-mtp" if tokens == 4 else "small"  # a window's own verify shape, measured against small's decode
             rows.append(bench.VerifyRow(shape, "small", 16, batch, tokens, accept, kernel, {"block_v": 8, "num_warps": 4},
                                         timing(base * f), 1e6 * batch, 0.2 * base * f, 0.4, f, f / (0.6 * tokens)))
