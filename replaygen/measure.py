@@ -217,7 +217,7 @@ class VerifyWorkload:
     "all": every window token is accepted (the most flushes), every sequence starting with an empty buffer, so all
     flush on the same step of the cycle (as a batch that started together does); "staggered": every token accepted,
     sequence i starting at the (i mod n)-th of the n steps of the flush cycle, so each step flushes 1/n of them (as
-    sequences that started at different times do; 2-10% slower on the H100, docs/perf.md entry 46); "random": each
+    sequences that started at different times do; up to 10% slower on the H100, docs/perf.md entry 46); "random": each
     step of the captured cycle accepts a different random 1..T per sequence, so sequences diverge.
     """
 
