@@ -183,7 +183,9 @@ def launch(layer: Layer, batch: int, variant: str, block_v: int, warps: int, sta
     persistent = mode in ("pers", "tma")
     desc = layer.ckpt
     if mode == "tma":
-        desc = layer.descriptors.setdefault(block_v, TensorDescriptor.from_tensor(layer.ckpt, [block_v, KEY_DIM]))
+        if block_v not in layer.descriptors:
+            layer.descriptors[block_v] = TensorDescriptor.from_tensor(layer.ckpt, [block_v, KEY_DIM])
+        desc = layer.descriptors[block_v]
     programs = min(tiles, torch.cuda.get_device_properties(0).multi_processor_count * per_sm) if persistent else tiles
     _step_kernel[(programs,)](
         layer.slots, layer.cursor, layer.ckpt, desc, layer.ring_value, layer.ring_key, layer.ring_log_decay, layer.ring_weight,
