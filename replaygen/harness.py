@@ -17,6 +17,7 @@ import torch
 from replaygen.plan import api_tensors
 from replaygen.reference import Reference
 from replaygen.spec.model import Spec, TargetShape
+from replaygen.traffic import verify_flush_period
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
 POISON_CURSOR = -777
@@ -252,6 +253,12 @@ def _compare_states(errors, module, replay, reference, slots, rows, row_slots, s
 
 
 ACCEPT_PATTERNS = ("random", "all", "none")
+
+
+def flushing_verify_steps(shape: TargetShape, tokens: int) -> int:
+    """Verify steps that, with every draft accepted from empty buffers, flush each sequence twice and wrap its ring
+    around (one flush cycle is `verify_flush_period` long; its first flush comes at the end of the first cycle)."""
+    return 2 * len(verify_flush_period(shape, tokens, tokens)) + 1
 
 
 def check_speculative(

@@ -805,6 +805,21 @@ def test_reference_checker_catches_a_wrong_kernel(mamba2):
     assert outcome.status is TrialStatus.WRONG and "replay_decode" in outcome.error and not timed
 
 
+def test_reference_checker_runs_verify_through_its_flushes(mamba2):
+    """A verify kernel that drops its flush's state store is recorded WRONG: with every draft accepted, the check runs
+    until each sequence has flushed. At the -mtp shapes' capacity and window, the few windows of random acceptance
+    the check also runs never flush, and pass this kernel."""
+    shape = replace(SHAPE, capacity=28, window=4)
+    candidate = render_candidate(mamba2, shape, RV, KernelConfig(block_v=16))
+    store = "mask=m_s & flush, eviction_policy"
+    assert candidate.source.count(store) == 1
+    broken = replace(candidate, source=candidate.source.replace(store, "mask=m_s & flush & (b_s != b_s), eviction_policy"))
+    timed = []
+    evaluator = Evaluator(checker=ReferenceChecker(mamba2, shape, "cpu", torch.float32), timer=lambda m, c, b: timed.append(c) or TrialTiming(1.0, 1.0, 1.0, 3))
+    outcome = evaluator.evaluate(broken, 4)
+    assert outcome.status is TrialStatus.WRONG and "accept=all" in outcome.error and not timed
+
+
 def test_workload_timer_times_the_candidate_as_bench_does(mamba2, monkeypatch):
     calls = []
     t = Timing(median_ms=1.0, p20_ms=0.9, p80_ms=1.1, samples=5)

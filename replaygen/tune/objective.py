@@ -1,7 +1,8 @@
 """Measuring one candidate: import it, check it against the reference, then time it.
 
-The check is cheap (batch 2, one flush cycle, on the tuning GPU) and runs once per rendered
-module; only a module that passes is timed. Timing is the project's: steady-state time per
+The check is cheap (batch 2 on the tuning GPU: decode over one flush cycle; verify over a few windows
+of random acceptance, then with every draft accepted until each sequence has flushed twice and wrapped its
+ring) and runs once per rendered module; only a module that passes is timed. Timing is the project's: steady-state time per
 decode (or verify) step over whole flush cycles, cold state, CUDA graphs (`measure`), one
 workload per batch size whose module is swapped between candidates.
 
@@ -114,18 +115,22 @@ class ReferenceChecker:
         self.act_dtype = act_dtype
 
     def __call__(self, module: ModuleType, candidate: Candidate) -> CheckResult:
-        from replaygen.harness import check_decode, check_speculative
+        from replaygen.harness import check_decode, check_speculative, flushing_verify_steps
 
         config = candidate.config
         common = {"device": self.device, "act_dtype": self.act_dtype, "batch": CHECK_BATCH}
         if candidate.kind is KernelKind.REPLAY_DECODE:
-            report = check_decode(module, self.spec, self.shape, cycles=CHECK_CYCLES, route=config.route.value, flush_at=config.flush_at or None, **common)
+            reports = [check_decode(module, self.spec, self.shape, cycles=CHECK_CYCLES, route=config.route.value, flush_at=config.flush_at or None, **common)]
         elif candidate.kind is KernelKind.BASELINE_DECODE:
-            report = check_decode(module, self.spec, self.shape, cycles=CHECK_CYCLES, **common)
+            reports = [check_decode(module, self.spec, self.shape, cycles=CHECK_CYCLES, **common)]
         else:
-            compare_baseline = candidate.kind is KernelKind.BASELINE_VERIFY
-            report = check_speculative(module, self.spec, self.shape, steps=CHECK_VERIFY_STEPS, compare_baseline=compare_baseline, **common)
-        return CheckResult(report.ok, "; ".join(line.strip() for line in report.lines()[1:] if "FAIL" in line or "touched" in line))
+            common["compare_baseline"] = candidate.kind is KernelKind.BASELINE_VERIFY
+            reports = [
+                check_speculative(module, self.spec, self.shape, steps=CHECK_VERIFY_STEPS, **common),
+                check_speculative(module, self.spec, self.shape, steps=flushing_verify_steps(self.shape, self.shape.window), accept="all", **common),
+            ]
+        failures = [f"{report.scenario}: {line.strip()}" for report in reports for line in report.lines()[1:] if "FAIL" in line or "touched" in line]
+        return CheckResult(all(report.ok for report in reports), "; ".join(failures))
 
 
 class WorkloadTimer:
