@@ -6,9 +6,8 @@ templates read (nothing else is invented):
     block_v           value rows per program: powers of two from CURSOR_GRAIN to max(16, next_pow2(value_dim))
                       (the bound of `configs.validate_config`)
     num_warps         1, 2, 4, 8
-    max_registers     replay kernels: 0 (the compiler's choice), 216 or 128 per thread (more programs per
-                      multiprocessor: a one-warp program at 255 registers leaves room for 8, at 216 for 9, at 128 for
-                      16; the baselines stream their state at the copy bandwidth without a cap)
+    max_registers     replay kernels: 0 (the compiler's choice) or 128 per thread (more programs per
+                      multiprocessor; the baselines stream their state at the copy bandwidth without a cap)
     route             replay kernels: output_only, state_and_output (verify: fold the buffer on every step and read
                       the formed state)
     flush_at          replay_decode only: 1..L
@@ -80,7 +79,7 @@ TUNABLE_KINDS: tuple[KernelKind, ...] = (
 # Kernels that fold the ring (fold_chunk, fold_dot, prefetch_ring apply).
 REPLAY_KINDS = frozenset({KernelKind.REPLAY_DECODE, KernelKind.REPLAY_VERIFY})
 NUM_WARPS: tuple[int, ...] = (1, 2, 4, 8)
-MAX_REGISTERS: tuple[int, ...] = (0, 128, 216)
+MAX_REGISTERS: tuple[int, ...] = (0, 128)
 FOLD_CHUNKS: tuple[int, ...] = (1, 2, 4, 8)
 FLUSH_GROUPS: tuple[int, ...] = (1, 2, 4)
 MAX_TILE_VALUES_PER_THREAD = 128
