@@ -20,6 +20,10 @@ Until a tuning record exists for a GPU, `build --allow-default` uses
   kernel launch as programmatic dependents of the kernel before them, so their launch overlaps its last programs;
   each waits for it before its first memory access (docs/perf.md entry 42). Off in every default, so the modules
   and records of configs without it read as before it existed.
+- `prefetch_fold_keys` (replay decode and verify, CUDA): right before a program folds its buffer, it prefetches the
+  live ring rows' keys into L1 (`prefetch.global.L1`, no registers held), so the fold loop's key loads hit L1
+  instead of waiting on L2 once per chunk of entries (docs/perf.md entry 48). Off in every default, like
+  early_launch; under the Triton interpreter (CPU tensors) the module passes it as off.
 """
 
 from __future__ import annotations
@@ -91,6 +95,7 @@ class KernelConfig:
     window_block_v: int = 0  # replay verify: 0 = one kernel; else the checkpoint readouts and the window's work split (see below)
     window_warps: int = 1  # replay verify with window_block_v: warps of the window launch (max_registers caps the other only)
     early_launch: bool = False  # replay decode and verify: the step's kernels launch early, each waiting for the kernel before (sm90+)
+    prefetch_fold_keys: bool = False  # replay decode and verify: a folding program prefetches the ring's keys into L1 first (CUDA)
 
     # window_block_v > 0 splits replay verify into two launches of its kernel: the checkpoint half (fold, state
     # store, the checkpoint read at every window token) over block_v value rows per program writes the readouts
@@ -102,7 +107,7 @@ class KernelConfig:
         return {**asdict(self), "route": self.route.value}
 
     def as_dict(self) -> dict[str, object]:
-        """The written form: every field; align_flushes, flush_groups, the window split and early_launch only where they are set, so the
+        """The written form: every field; align_flushes, flush_groups, the window split, early_launch and prefetch_fold_keys only where they are set, so the
         configs that do not use them (and the tuning records and module tables of every kind written before they existed) read as they did."""
         return {
             "block_v": self.block_v,
@@ -121,7 +126,7 @@ class KernelConfig:
             "overlap_scores": self.overlap_scores,
         } | ({"align_flushes": True} if self.align_flushes else {}) | ({"flush_groups": self.flush_groups} if self.flush_groups != 1 else {}) | (
             {"window_block_v": self.window_block_v, "window_warps": self.window_warps} if self.window_block_v else {}) | (
-            {"early_launch": True} if self.early_launch else {})
+            {"early_launch": True} if self.early_launch else {}) | ({"prefetch_fold_keys": True} if self.prefetch_fold_keys else {})
 
 
 @dataclass(frozen=True)
@@ -197,6 +202,8 @@ def validate_config(kind: KernelKind, shape: TargetShape, config: KernelConfig) 
         raise UnsupportedShapeError(f"{kind.value}: window_warps={config.window_warps} must be 1, 2, 4, 8 or 16, and 1 without window_block_v")
     if config.early_launch and kind not in (KernelKind.REPLAY_DECODE, KernelKind.REPLAY_VERIFY):
         raise UnsupportedShapeError(f"{kind.value}: early_launch applies to replay_decode and replay_verify only (the baselines launch as they always did)")
+    if config.prefetch_fold_keys and kind not in (KernelKind.REPLAY_DECODE, KernelKind.REPLAY_VERIFY):
+        raise UnsupportedShapeError(f"{kind.value}: prefetch_fold_keys applies to replay_decode and replay_verify only (no other kernel folds a ring)")
     if config.max_registers and not 24 <= config.max_registers <= 255:
         raise UnsupportedShapeError(f"{kind.value}: max_registers={config.max_registers} must be 0 (no cap) or 24..255")
     if not 0 <= config.flush_at <= shape.capacity:

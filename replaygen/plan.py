@@ -78,6 +78,10 @@ class ModulePlan:
     flags: tuple[tuple[str, str], ...]  # constexpr switches of the optional inputs: (switch, the input that sets it)
     fold_leftovers_in_memory: bool  # flush-every-step decode: see leftovers_in_memory
     early_launch: bool  # some replay decode or verify bucket launches early: the kernels take EARLY_WAIT (KernelConfig.early_launch)
+    # some bucket of the kind prefetches its fold's keys: that kind's kernel takes PREFETCH_FOLD_KEYS (KernelConfig.prefetch_fold_keys);
+    # per kind, so one kind's buckets never change the other kind's kernel text (and its records' source hashes)
+    decode_prefetches_fold_keys: bool
+    verify_prefetches_fold_keys: bool
     # API
     step_inputs: tuple[TensorArg, ...]
     weights: tuple[TensorArg, ...]
@@ -147,6 +151,8 @@ def plan_module(
         flags=optional_input_flags(spec),
         fold_leftovers_in_memory=leftovers_in_memory(spec),
         early_launch=any(b.config.early_launch for kind in (KernelKind.REPLAY_DECODE, KernelKind.REPLAY_VERIFY) for b in configs[kind]),
+        decode_prefetches_fold_keys=any(b.config.prefetch_fold_keys for b in configs[KernelKind.REPLAY_DECODE]),
+        verify_prefetches_fold_keys=any(b.config.prefetch_fold_keys for b in configs[KernelKind.REPLAY_VERIFY]),
         step_inputs=step_inputs,
         weights=weights,
         buffers=_buffers(spec, shape),

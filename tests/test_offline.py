@@ -6,7 +6,7 @@ import pytest
 
 from replaygen import codegen
 from replaygen.cli import main
-from replaygen.configs import BucketConfig, KernelKind, module_defaults
+from replaygen.configs import BucketConfig, KernelKind, Route, module_defaults
 from replaygen.errors import ReplaygenError
 from replaygen.offline import CALLS, Architecture, CompileRun, architecture, bucket_batches, compile_job, compile_modules
 from replaygen.spec import load_spec, load_spec_text
@@ -108,6 +108,22 @@ def test_early_launch_compiles_for_the_h100(name):
     verify = tables[KernelKind.REPLAY_VERIFY][-1].config
     tables[KernelKind.REPLAY_DECODE] = (BucketConfig(1, replace(decode, early_launch=True, flush_at=1, align_flushes=False, flush_groups=1)), BucketConfig(None, replace(decode, early_launch=True, precompute_scores=True, overlap_scores=True)))
     tables[KernelKind.REPLAY_VERIFY] = (BucketConfig(1, replace(verify, early_launch=True, precompute_scores=False, overlap_scores=False, window_block_v=0, window_warps=1)), BucketConfig(None, replace(verify, early_launch=True, precompute_scores=True, overlap_scores=True, window_block_v=8)))
+    (report,) = compile_modules([compile_job(spec, SMALL, tables, SM90, "bfloat16")])
+    assert_compiled(report)
+    launched = {call for k in report.kernels for call in k.launched_by}
+    assert {"decode b1", "decode b2", "verify b1", "verify b2"} <= launched
+
+
+@pytest.mark.parametrize("name", ["mamba2", "gdn"])
+def test_fold_key_prefetch_compiles_for_the_h100(name):
+    """prefetch_fold_keys (inline PTX the interpreter never runs): the replay decode and verify kernels compiled for
+    sm_90 with the prefetch before their fold, on the output-only and state routes, verify in one launch and split."""
+    spec = SPECS[name]
+    tables = module_defaults(spec, SMALL)
+    decode = replace(tables[KernelKind.REPLAY_DECODE][-1].config, prefetch_fold_keys=True)
+    verify = replace(tables[KernelKind.REPLAY_VERIFY][-1].config, prefetch_fold_keys=True)
+    tables[KernelKind.REPLAY_DECODE] = (BucketConfig(1, replace(decode, route=Route.STATE_AND_OUTPUT, precompute_scores=False, overlap_scores=False, align_flushes=False, flush_groups=1)), BucketConfig(None, decode))
+    tables[KernelKind.REPLAY_VERIFY] = (BucketConfig(1, replace(verify, window_block_v=0, window_warps=1)), BucketConfig(None, replace(verify, precompute_scores=True, overlap_scores=True, window_block_v=8)))
     (report,) = compile_modules([compile_job(spec, SMALL, tables, SM90, "bfloat16")])
     assert_compiled(report)
     launched = {call for k in report.kernels for call in k.launched_by}

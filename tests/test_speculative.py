@@ -5,12 +5,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from replaygen.codegen import render_module
+from replaygen.codegen import reachable_source, render_module
 from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route, module_defaults
 from replaygen.harness import check_decode, check_speculative
 from replaygen.plan import plan_module
 from replaygen.runtime import load_kernels
 from replaygen.spec import load_spec
+from replaygen.tune.records import TIMED_ENTRY_POINTS
 
 from conftest import DEVICE, ODD, ROOT, SMALL
 
@@ -126,6 +127,39 @@ def test_early_launch_changes_no_result(spec_file):
     plain = {kind: (BucketConfig(None, replace(table[-1].config, early_launch=False)),) for kind, table in tables.items()}
     assert "EARLY_WAIT" in render_module(plan_module(spec, shape, "any", module_defaults(spec, shape) | tables, "defaults"))
     assert "EARLY_WAIT" not in render_module(plan_module(spec, shape, "any", module_defaults(spec, shape) | plain, "defaults"))
+
+
+@pytest.mark.parametrize("spec_file", ["mamba2.yaml", "gdn.yaml"])
+def test_fold_key_prefetch_changes_no_result(spec_file):
+    """prefetch_fold_keys (inline PTX; the module passes it off on CPU tensors, so the interpreter runs the kernels
+    without it): decode and verify + commit against the reference through flushes; each kind's kernel takes the
+    switch only where that kind's buckets set it, so the other kind's kernel, and the records timed for it, stay as
+    they were."""
+    spec = load_spec(ROOT / "specs" / spec_file)
+    shape = replace(SMALL, capacity=9, window=4)
+    decode = KernelConfig(block_v=8, num_warps=1, precompute_scores=True, prefetch_fold_keys=True)
+    verify = KernelConfig(block_v=8, num_warps=1, precompute_scores=True, prefetch_fold_keys=True)
+    tables = {KernelKind.REPLAY_DECODE: (BucketConfig(None, decode),), KernelKind.REPLAY_VERIFY: (BucketConfig(None, verify),)}
+    module = load_kernels(spec, shape, tables)
+    assert not module._prefetch_fold_keys({"prefetch_fold_keys": True}, torch.device(DEVICE))
+    assert_passes(check_speculative(module, spec, shape, device=DEVICE, tokens=4, mixed=True, steps=10, seed=50), ("replay_verify", "replay_decode", "materialize"))
+    assert_passes(check_speculative(module, spec, shape, device=DEVICE, tokens=4, accept="all", steps=7, seed=51), ("replay_verify",))
+
+    def rendered(decode_prefetch, verify_prefetch):
+        configs = module_defaults(spec, shape) | {
+            KernelKind.REPLAY_DECODE: (BucketConfig(None, replace(decode, prefetch_fold_keys=decode_prefetch)),),
+            KernelKind.REPLAY_VERIFY: (BucketConfig(None, replace(verify, prefetch_fold_keys=verify_prefetch)),),
+        }
+        return render_module(plan_module(spec, shape, "any", configs, "defaults"))
+
+    def timed(source, kind):
+        return reachable_source(source, TIMED_ENTRY_POINTS[kind])
+
+    RD, RV = KernelKind.REPLAY_DECODE, KernelKind.REPLAY_VERIFY
+    assert "PREFETCH_FOLD_KEYS" not in rendered(False, False)
+    assert timed(rendered(True, False), RV) == timed(rendered(False, False), RV)
+    assert timed(rendered(False, True), RD) == timed(rendered(False, False), RD)
+    assert "PREFETCH_FOLD_KEYS" in timed(rendered(True, False), RD) and "PREFETCH_FOLD_KEYS" in timed(rendered(False, True), RV)
 
 
 def test_bf16_activations(mamba2, kernels):

@@ -94,8 +94,9 @@ def test_space_of_the_main_shape(mamba2):
         "window_block_v": (0,),
         "window_warps": (1,),
         "early_launch": both,
+        "prefetch_fold_keys": both,
     }
-    assert space.size == 4 * 4 * 2 * 2 * 16 * 2 * 2 * 2 * 4 * 2 * 2 * 2 * 2 * 3 * 2
+    assert space.size == 4 * 4 * 2 * 2 * 16 * 2 * 2 * 2 * 4 * 2 * 2 * 2 * 2 * 3 * 2 * 2
     assert space.default == KernelConfig(  # the default's 0 written as L
         block_v=32, num_warps=1, flush_at=16, prefetch_ring=False, precompute_scores=True, overlap_scores=True, evict_state=True, align_flushes=True,
         flush_groups=2,
@@ -108,7 +109,7 @@ def test_space_of_the_main_shape(mamba2):
     assert [p.name for p in baseline.free] == ["block_v", "num_warps", "evict_state"]  # no loop, route, flush or register cap
     assert len(baseline.candidates()) == 30  # 32 points, block_v=64 on one warp spills
     verify = {"block_v", "num_warps", "max_registers", "route", "prefetch_ring", "fold_chunk", "fold_dot", "precompute_scores", "readout_dot", "evict_state",
-              "overlap_scores", "window_block_v", "window_warps", "early_launch"}
+              "overlap_scores", "window_block_v", "window_warps", "early_launch", "prefetch_fold_keys"}
     assert {p.name for p in derive_space(RV, shape, 8).free} == verify
     assert dict((p.name, p.choices) for p in derive_space(RV, shape, 8).parameters)["window_block_v"] == (0, 16, 32, 64)
     assert {p.name for p in derive_space(RV, shape, 8, channel_decay=True).free} == verify - {"precompute_scores", "readout_dot", "overlap_scores", "window_block_v",
@@ -162,7 +163,7 @@ def test_fix_and_space_key(mamba2):
     space = derive_space(RD, shape, batch=128)
     assert space.key() == derive_space(RD, shape, batch=128).key()
     fixed = space.fix("flush_at", "16").fix("route", "output_only").fix("fold_dot", "False")
-    assert fixed.size == 4 * 4 * 2 * 2 * 2 * 2 * 4 * 2 * 2 * 2 * 3 * 2 and fixed.key() != space.key()
+    assert fixed.size == 4 * 4 * 2 * 2 * 2 * 2 * 4 * 2 * 2 * 2 * 3 * 2 * 2 and fixed.key() != space.key()
     early = space.fix("early_launch", "True")  # recorded mode with --fix early_launch=True: the winners, launched early
     assert early.fit(space.default) == replace(space.default, early_launch=True)
     assert derive_space(RD, replace(shape, capacity=8), batch=128).key() != space.key()
@@ -627,7 +628,8 @@ def test_a_trial_left_running_by_a_killed_run_does_not_hide_the_default(mamba2, 
 def test_exhaustive_mode_and_optuna_on_an_enumerable_space(mamba2, tmp_path):
     fixed = (("flush_at", "16"), ("route", "output_only"), ("max_registers", "0"), ("precompute_scores", "False"), ("fused_flush", "True"),
              ("prefetch_ring", "True"), ("fold_chunk", "4"), ("fold_dot", "False"), ("evict_state", "False"),
-             ("overlap_scores", "False"), ("align_flushes", "False"), ("flush_groups", "1"), ("early_launch", "False"))
+             ("overlap_scores", "False"), ("align_flushes", "False"), ("flush_groups", "1"), ("early_launch", "False"),
+             ("prefetch_fold_keys", "False"))
     exhaustive, store, _ = run(mamba2, tmp_path / "ex", (RD,), (128,), mode=Mode.EXHAUSTIVE, fixed=fixed)
     space = derive_space(RD, mamba2.shape("nemotron-h"), 128)
     for name, value in fixed:

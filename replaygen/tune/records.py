@@ -265,6 +265,7 @@ def config_from_dict(raw: dict) -> KernelConfig:
         window_block_v=_int(raw.get("window_block_v", default.window_block_v)),
         window_warps=_int(raw.get("window_warps", default.window_warps)),
         early_launch=_bool(raw.get("early_launch", default.early_launch)),
+        prefetch_fold_keys=_bool(raw.get("prefetch_fold_keys", default.prefetch_fold_keys)),
     )
 
 

@@ -31,6 +31,9 @@ templates read (nothing else is invented):
     window_block_v    replay_verify only, per-head decay only: 0 (one kernel) or the value rows per program of the
                       split verify's window half (16 and up; the checkpoint half keeps block_v)
     window_warps      replay_verify with window_block_v: warps of the window half (1, 2, 4, 8)
+    early_launch      replay kernels: the step's kernels launch as programmatic dependents of the kernel before
+                      them, each waiting for it before its first memory access (compute capability 9.0)
+    prefetch_fold_keys replay kernels: a program that folds its buffer prefetches the ring's keys into L1 first
 
 num_stages stays 1: no kernel has a loop whose loads Triton's pipeliner could prefetch (the fold's loads are
 unrolled by fold_chunk instead).
@@ -46,11 +49,13 @@ Pruning rules, applied to a point before anything is rendered or compiled:
                    only output_only is kept
     UNUSED_AT_EVERY_STEP  flush_at=1 runs the baseline's step on the checkpoint: no scores kernel, no ring tile,
                    no flush launch, the loop fold; precompute_scores, overlap_scores, prefetch_ring, fused_flush,
-                   fold_dot and align_flushes keep their defaults (False, False, True, True, False, False)
+                   fold_dot, align_flushes and prefetch_fold_keys keep their defaults (False, False, True, True,
+                   False, False, False)
     UNUSED_SCORES  the state-and-output route reads the rebuilt state, never the precomputed scores
     REFOLD         the state-and-output route already forms the state: a separate flush launch would
                    read the checkpoint again to form it once more
-    UNUSED_DOT     without fused_flush the decode kernel never folds (the flush launch uses the loop)
+    UNUSED_DOT     without fused_flush the decode kernel never folds (the flush launch uses the loop), so
+                   fold_dot and prefetch_fold_keys stay off
 
 The kind's documented default (`configs.default_configs`, its bucket for this batch) is the
 reference point of the summary: it is always a candidate, whatever the rules say.
@@ -188,14 +193,14 @@ class SearchSpace:
             state_route = config.route is Route.STATE_AND_OUTPUT
             if config.flush_at == 1 and state_route:
                 return PruneRule.UNUSED_ROUTE
-            idle_knobs = config.precompute_scores or not config.fused_flush or not config.prefetch_ring or config.fold_dot  # overlap needs precompute
+            idle_knobs = config.precompute_scores or not config.fused_flush or not config.prefetch_ring or config.fold_dot or config.prefetch_fold_keys  # overlap needs precompute
             if config.flush_at == 1 and idle_knobs:
                 return PruneRule.UNUSED_AT_EVERY_STEP
             if state_route and config.precompute_scores:
                 return PruneRule.UNUSED_SCORES
             if state_route and not config.fused_flush:
                 return PruneRule.REFOLD
-            if config.fold_dot and not config.fused_flush:
+            if (config.fold_dot or config.prefetch_fold_keys) and not config.fused_flush:
                 return PruneRule.UNUSED_DOT
         return None
 
@@ -256,6 +261,7 @@ def derive_space(kind: KernelKind, shape: TargetShape, batch: int, channel_decay
         Parameter("window_block_v", (0, *(b for b in block_v if b >= 16)) if verify and not channel_decay else (0,), Scale.CATEGORICAL),
         Parameter("window_warps", NUM_WARPS if verify and not channel_decay else (1,), Scale.LOG2),
         Parameter("early_launch", both if replay else (False,), Scale.CATEGORICAL),
+        Parameter("prefetch_fold_keys", both if replay else (False,), Scale.CATEGORICAL),
     )
     return SearchSpace(kind=kind, shape=shape, parameters=parameters, default=default_config(kind, shape, batch, channel_decay, delta_rule))
 
