@@ -28,7 +28,7 @@ import triton
 from replaygen import __version__
 from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route, bucket_config, module_defaults
 from replaygen.errors import ReplaygenError
-from replaygen.harness import check_decode, check_speculative, flushing_verify_steps, relative_error
+from replaygen.harness import check_decode, check_speculative_through_flushes, relative_error
 from replaygen.measure import ACCEPT, DecodeWorkload, Timing, VerifyWorkload, capture, copy_bandwidth, time_callable
 from replaygen.runtime import load_kernels
 from replaygen.spec.model import (
@@ -554,8 +554,7 @@ def bench_verify(
         else:
             modules[None] = load_kernels(spec, vshape, tables, config_source="tuning records" if tuned_tables else "defaults")
         first = next(iter(modules.values()))
-        for accept, steps in (("random", 6), ("all", flushing_verify_steps(vshape, tokens))):
-            report = check_speculative(first, spec, vshape, device=device, act_dtype=act_dtype, batch=3, steps=steps, tokens=tokens, accept=accept)
+        for report in check_speculative_through_flushes(first, spec, vshape, random_steps=6, tokens=tokens, device=device, act_dtype=act_dtype, batch=3):
             if not report.ok:
                 raise RuntimeError("verify kernels disagree with the reference on this GPU:\n" + "\n".join(report.lines()))
         all_steps = len(verify_flush_period(vshape, tokens, tokens))

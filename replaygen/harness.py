@@ -255,12 +255,6 @@ def _compare_states(errors, module, replay, reference, slots, rows, row_slots, s
 ACCEPT_PATTERNS = ("random", "all", "none")
 
 
-def flushing_verify_steps(shape: TargetShape, tokens: int) -> int:
-    """Verify steps that, with every draft accepted from empty buffers, flush each sequence twice and wrap its ring
-    around (one flush cycle is `verify_flush_period` long; its first flush comes at the end of the first cycle)."""
-    return 2 * len(verify_flush_period(shape, tokens, tokens)) + 1
-
-
 def check_speculative(
     module: ModuleType,
     spec: Spec,
@@ -345,3 +339,18 @@ def check_speculative(
     untouched = _untouched(replay, (("baseline snapshots", snapshots),), plan.unused)
     label = f"speculative T={tokens} accept={accept}{' mixed' if mixed else ''} {str(act_dtype).replace('torch.', '')} batch={batch}"
     return CheckReport(label, total, TOLERANCE[act_dtype], dict(errors.worst), tuple(untouched))
+
+
+def check_speculative_through_flushes(
+    module: ModuleType, spec: Spec, shape: TargetShape, *, random_steps: int, tokens: int | None = None, **options: object
+) -> tuple[CheckReport, CheckReport]:
+    """`check_speculative` twice: `random_steps` windows of random acceptance, then every draft accepted until each
+    sequence has flushed twice and wrapped its ring (twice the `verify_flush_period` cycle, plus one step: its first
+    flush comes at the end of the first cycle). A few random windows may never fill a large buffer, so the second run
+    is what checks the flush path."""
+    tokens = tokens or shape.window
+    flushing_steps = 2 * len(verify_flush_period(shape, tokens, tokens)) + 1
+    return (
+        check_speculative(module, spec, shape, steps=random_steps, tokens=tokens, **options),
+        check_speculative(module, spec, shape, steps=flushing_steps, tokens=tokens, accept="all", **options),
+    )

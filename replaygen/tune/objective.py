@@ -115,7 +115,7 @@ class ReferenceChecker:
         self.act_dtype = act_dtype
 
     def __call__(self, module: ModuleType, candidate: Candidate) -> CheckResult:
-        from replaygen.harness import check_decode, check_speculative, flushing_verify_steps
+        from replaygen.harness import check_decode, check_speculative_through_flushes
 
         config = candidate.config
         common = {"device": self.device, "act_dtype": self.act_dtype, "batch": CHECK_BATCH}
@@ -124,11 +124,8 @@ class ReferenceChecker:
         elif candidate.kind is KernelKind.BASELINE_DECODE:
             reports = [check_decode(module, self.spec, self.shape, cycles=CHECK_CYCLES, **common)]
         else:
-            common["compare_baseline"] = candidate.kind is KernelKind.BASELINE_VERIFY
-            reports = [
-                check_speculative(module, self.spec, self.shape, steps=CHECK_VERIFY_STEPS, **common),
-                check_speculative(module, self.spec, self.shape, steps=flushing_verify_steps(self.shape, self.shape.window), accept="all", **common),
-            ]
+            compare_baseline = candidate.kind is KernelKind.BASELINE_VERIFY
+            reports = check_speculative_through_flushes(module, self.spec, self.shape, random_steps=CHECK_VERIFY_STEPS, compare_baseline=compare_baseline, **common)
         failures = [f"{report.scenario}: {line.strip()}" for report in reports for line in report.lines()[1:] if "FAIL" in line or "touched" in line]
         return CheckResult(all(report.ok for report in reports), "; ".join(failures))
 
