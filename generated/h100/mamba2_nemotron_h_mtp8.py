@@ -341,6 +341,7 @@
 #      "num_warps": 1,
 #      "overlap_scores": true,
 #      "precompute_scores": true,
+#      "prefetch_fold_keys": true,
 #      "prefetch_ring": false,
 #      "readout_dot": false,
 #      "route": "output_only"
@@ -553,7 +554,7 @@ _REPLAY_DECODE_CONFIGS = (
     (4, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 24, 'prefetch_ring': False, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True, 'early_launch': True}),
     (8, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 24, 'prefetch_ring': False, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True, 'align_flushes': True, 'flush_groups': 2, 'early_launch': True}),
     (32, {'block_v': 32, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 24, 'prefetch_ring': False, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True, 'align_flushes': True, 'flush_groups': 2, 'early_launch': True}),
-    (None, {'block_v': 32, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 24, 'prefetch_ring': False, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True, 'early_launch': True}),
+    (None, {'block_v': 32, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 24, 'prefetch_ring': False, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True, 'early_launch': True, 'prefetch_fold_keys': True}),
 )
 _MATERIALIZE_CONFIGS = (
     (None, {'block_v': 16, 'num_warps': 4, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': False, 'overlap_scores': False}),
@@ -727,6 +728,7 @@ s_x_b, s_x_h, s_B_b, s_B_h, s_C_b, s_C_h, s_dt_b, s_dt_h, s_z_b, s_z_h, s_out_b,
     STATE_EVICTION: tl.constexpr,
     USE_PDL: tl.constexpr,
     EARLY_WAIT: tl.constexpr,
+    PREFETCH_FOLD_KEYS: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """ReplaySSM decode of one token per sequence.
@@ -745,7 +747,8 @@ s_x_b, s_x_h, s_B_b, s_B_h, s_C_b, s_C_h, s_dt_b, s_dt_h, s_z_b, s_z_h, s_out_b,
     the checkpoint in memory (`_fold_buffered_tile`) before the step, or after a step taken as if nothing were
     buffered, whose state store skips such tiles and which is then redone from the folded checkpoint
     (replaygen.plan.leftovers_in_memory). EARLY_WAIT: launched as a programmatic dependent of the kernel before it
-    (early_launch), it waits for that kernel before its first memory access.
+    (early_launch), it waits for that kernel before its first memory access. PREFETCH_FOLD_KEYS: a
+    flushing program prefetches its ring keys into L1 before it folds (prefetch_fold_keys).
     """
     tl.static_assert(not ALIGNED_FLUSH or (PRECOMPUTED_SCORES and FUSED_FLUSH and not STATE_ROUTE), "ALIGNED_FLUSH reads the step clock after the scores kernel")
     if EARLY_WAIT:
@@ -876,6 +879,12 @@ s_x_b, s_x_h, s_B_b, s_B_h, s_C_b, s_C_h, s_dt_b, s_dt_h, s_z_b, s_z_h, s_out_b,
         if flush:
             if FUSED_FLUSH:
                 if not STATE_ROUTE:
+                    if PREFETCH_FOLD_KEYS:
+                        if valid:
+                            r_pf = (start + tl.minimum(tl.arange(0, BLOCK_R), tl.maximum(count - 1, 0))) % RING
+                            o_pf = r_pf[:, None] * KEY_DIM + tl.minimum(tl.arange(0, 4) * 32, KEY_DIM - 1)[None, :]
+                            tl.inline_asm_elementwise("prefetch.global.L1 [$1];\n mov.u32 $0, 0;", "=r,l", [p_buf_key + o_pf], dtype=tl.int32, is_pure=False, pack=1)
+
                     if FOLD_DOT:
                         b_kj = tl.where(live[:, None], tl.load(p_buf_key + o_r[:, None] * KEY_DIM + o_k[None, :], mask=m_ring[:, None] & m_k[None, :], other=0).to(tl.float32), 0.0)
 
@@ -1577,6 +1586,12 @@ def _early_launch(config, device):
     return _dependent_launch[device]
 
 
+def _prefetch_fold_keys(config, device):
+    """Whether a config's folding programs prefetch their ring keys into L1 first (prefetch_fold_keys): inline PTX, so
+    on CUDA devices only (the Triton interpreter runs none)."""
+    return bool(config.get("prefetch_fold_keys", False)) and device.type == "cuda"
+
+
 def _strides(t, tile=False):
     """(batch, head) strides of [batch, heads, ...], or (batch, head, token) strides of [batch, tokens, heads, ...]."""
     if t is None:
@@ -1697,7 +1712,7 @@ def decode(state, slots, *, x, B, C, dt, A_log, dt_bias, D, z=None, out=None, ro
         PREFETCH_RING=config["prefetch_ring"], FUSED_FLUSH=config["fused_flush"], FOLD_CHUNK=config["fold_chunk"],
         PRECOMPUTED_SCORES=config["precompute_scores"], FOLD_DOT=config["fold_dot"], ALIGNED_FLUSH=aligned, ALWAYS_FLUSH=flush_at == 1,
         FLUSH_GROUPS=min(config.get("flush_groups", 1), flush_at) if aligned else 1,
-        STATE_EVICTION=_state_eviction(config), USE_PDL=pdl, EARLY_WAIT=early and not pdl, BLOCK_V=block_v, **_options(config), launch_pdl=pdl or early,
+        STATE_EVICTION=_state_eviction(config), USE_PDL=pdl, EARLY_WAIT=early and not pdl, PREFETCH_FOLD_KEYS=_prefetch_fold_keys(config, state.device), BLOCK_V=block_v, **_options(config), launch_pdl=pdl or early,
     )
     if not config["fused_flush"] and flush_at > 1:
         _flush_kernel[(_flush_programs(state.device),)](
