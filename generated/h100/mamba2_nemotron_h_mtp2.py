@@ -443,6 +443,7 @@
 #      "num_warps": 1,
 #      "overlap_scores": true,
 #      "precompute_scores": true,
+#      "prefetch_fold_keys": true,
 #      "prefetch_ring": true,
 #      "readout_dot": false,
 #      "route": "output_only"
@@ -627,7 +628,7 @@ _REPLAY_VERIFY_CONFIGS = (
     (1, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True, 'early_launch': True}),
     (2, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': False, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True, 'early_launch': True}),
     (4, {'block_v': 32, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': False, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True, 'early_launch': True}),
-    (8, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 2, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 128, 'evict_state': True, 'overlap_scores': True, 'early_launch': True}),
+    (8, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 2, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 128, 'evict_state': True, 'overlap_scores': True, 'early_launch': True, 'prefetch_fold_keys': True}),
     (32, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 8, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 128, 'evict_state': True, 'overlap_scores': True, 'early_launch': True}),
     (128, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 8, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 128, 'evict_state': True, 'overlap_scores': True}),
     (256, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 2, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True}),
@@ -1235,6 +1236,7 @@ s_x_b, s_x_h, s_x_t, s_B_b, s_B_h, s_B_t, s_C_b, s_C_h, s_C_t, s_dt_b, s_dt_h, s
     STATE_EVICTION: tl.constexpr,
     USE_PDL: tl.constexpr,
     EARLY_WAIT: tl.constexpr,
+    PREFETCH_FOLD_KEYS: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """ReplaySSM verify of a window of NUM_TOKENS tokens per sequence, all tokens at once.
@@ -1254,7 +1256,8 @@ s_x_b, s_x_h, s_x_t, s_B_b, s_B_h, s_B_t, s_C_b, s_C_h, s_C_t, s_dt_b, s_dt_h, s
     before it ends, so the window half's wait covers the scores too. SPLIT 2, the window half, reads them (after
     waiting for the checkpoint half with USE_PDL), applies each token's decay and key/query transform, and does the
     rest, its BLOCK_V independent of the checkpoint half's. EARLY_WAIT: launched as a programmatic dependent of the kernel
-    before it (early_launch) without USE_PDL, it waits for that kernel before its first memory access.
+    before it (early_launch) without USE_PDL, it waits for that kernel before its first memory access. PREFETCH_FOLD_KEYS:
+    a folding program prefetches its ring keys into L1 before it folds (prefetch_fold_keys).
     """
     tl.static_assert(SPLIT == 0 or (PRECOMPUTED_SCORES and not STATE_ROUTE and not READOUT_DOT), "the split verify runs the output-only route on precomputed scores")
     if EARLY_WAIT:
@@ -1312,6 +1315,12 @@ s_x_b, s_x_h, s_x_t, s_B_b, s_B_h, s_B_t, s_C_b, s_C_h, s_C_t, s_dt_b, s_dt_h, s
 
     if flush or STATE_ROUTE:
         if SPLIT != 2:
+            if PREFETCH_FOLD_KEYS:
+                if valid:
+                    r_pf = (start + tl.minimum(tl.arange(0, BLOCK_R), tl.maximum(count - 1, 0))) % RING
+                    o_pf = r_pf[:, None] * KEY_DIM + tl.minimum(tl.arange(0, 4) * 32, KEY_DIM - 1)[None, :]
+                    tl.inline_asm_elementwise("prefetch.global.L1 [$1];\n mov.u32 $0, 0;", "=r,l", [p_buf_key + o_pf], dtype=tl.int32, is_pure=False, pack=1)
+
             if FOLD_DOT:
                 b_kj = tl.where(live[:, None], tl.load(p_buf_key + o_r[:, None] * KEY_DIM + o_k[None, :], mask=m_ring[:, None] & m_k[None, :], other=0).to(tl.float32), 0.0)
 
@@ -1964,7 +1973,7 @@ def _launch_verify(state, slots, x, B, C, dt, z, A_log, dt_bias, D, out, readout
         NUM_TOKENS=tokens, BLOCK_T=block_t, LOG2_BLOCK_T=log2_block_t, SPLIT=split, PRECOMPUTED_SCORES=config["precompute_scores"],
         READOUT_DOT=config["readout_dot"], BLOCK_D=max(16, 1 * block_t), STATE_ROUTE=config["route"] == "state_and_output",
         PREFETCH_RING=config["prefetch_ring"], FOLD_CHUNK=config["fold_chunk"], FOLD_DOT=config["fold_dot"],
-        STATE_EVICTION=_state_eviction(config), USE_PDL=pdl, EARLY_WAIT=early and not pdl, BLOCK_V=block_v, **_options(config), launch_pdl=pdl or early,
+        STATE_EVICTION=_state_eviction(config), USE_PDL=pdl, EARLY_WAIT=early and not pdl, PREFETCH_FOLD_KEYS=_prefetch_fold_keys(config, state.device), BLOCK_V=block_v, **_options(config), launch_pdl=pdl or early,
     )
 
 
