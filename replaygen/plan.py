@@ -77,6 +77,10 @@ class ModulePlan:
     gate_optional: bool
     flags: tuple[tuple[str, str], ...]  # constexpr switches of the optional inputs: (switch, the input that sets it)
     fold_leftovers_in_memory: bool  # flush-every-step decode: see leftovers_in_memory
+    # some replay decode bucket runs several warps per program: a flush-every-step step that meets leftover entries
+    # then folds them with the cursor it read and moves the cursor after a barrier (no warp reads it after another
+    # warp wrote it); one-warp programs keep the fold's own cursor read and write, so their records stay valid
+    decode_multi_warp: bool
     early_launch: bool  # some replay decode or verify bucket launches early: the kernels take EARLY_WAIT (KernelConfig.early_launch)
     # some bucket of the kind prefetches its fold's keys: that kind's kernel takes PREFETCH_FOLD_KEYS (KernelConfig.prefetch_fold_keys);
     # per kind, so one kind's buckets never change the other kind's kernel text (and its records' source hashes)
@@ -150,6 +154,7 @@ def plan_module(
         gate_optional=spec.readout.gate is not None and spec.readout.gate.optional,
         flags=optional_input_flags(spec),
         fold_leftovers_in_memory=leftovers_in_memory(spec),
+        decode_multi_warp=any(b.config.num_warps > 1 for b in configs[KernelKind.REPLAY_DECODE]),
         early_launch=any(b.config.early_launch for kind in (KernelKind.REPLAY_DECODE, KernelKind.REPLAY_VERIFY) for b in configs[kind]),
         decode_prefetches_fold_keys=any(b.config.prefetch_fold_keys for b in configs[KernelKind.REPLAY_DECODE]),
         verify_prefetches_fold_keys=any(b.config.prefetch_fold_keys for b in configs[KernelKind.REPLAY_VERIFY]),

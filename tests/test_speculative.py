@@ -261,3 +261,27 @@ def test_flushing_verify_whose_window_wraps_onto_folded_entries(mamba2):
     module.commit(state, slots, torch.tensor([2, 2], dtype=torch.int32, device=DEVICE))
     reference.commit([1, 0], [2, 2])
     assert relative_error(module.materialize(state, slots), reference.states[[1, 0]]) < 1e-5
+
+
+@pytest.mark.parametrize("spec_file", ["mamba2.yaml", "gdn.yaml"])
+def test_multi_warp_leftover_fold_takes_the_steps_cursor(spec_file):
+    """Where some decode bucket runs several warps per program, a flush-every-step step that meets leftover entries
+    folds them with the cursor it read and moves the cursor itself after a barrier (tests/test_gpu.py has the race
+    this closes); mixed decode and verify steps against the reference. One-warp modules keep the fold's own cursor
+    read and write, so the code their records timed is unchanged."""
+    spec = load_spec(ROOT / "specs" / spec_file)
+    shape = replace(SMALL, capacity=9, window=4)
+    decode = KernelConfig(block_v=8, num_warps=4, flush_at=1, fold_chunk=1)
+    verify = KernelConfig(block_v=8, num_warps=1)
+
+    def tables(warps):
+        return module_defaults(spec, shape) | {
+            KernelKind.REPLAY_DECODE: (BucketConfig(None, replace(decode, num_warps=warps)),),
+            KernelKind.REPLAY_VERIFY: (BucketConfig(None, verify),),
+        }
+
+    module = load_kernels(spec, shape, tables(4))
+    assert_passes(check_speculative(module, spec, shape, device=DEVICE, tokens=4, mixed=True, steps=10, seed=60), ("replay_verify", "replay_decode", "materialize"))
+    multi, single = (render_module(plan_module(spec, shape, "any", tables(warps), "defaults")) for warps in (4, 1))
+    assert "i_h, i_b, start, count, slots_ptr, ckpt_ptr" in multi and "cursor_ptr, ckpt_ptr" not in multi.split("def _replay_decode_kernel")[0]
+    assert "i_h, i_b, slots_ptr, cursor_ptr, ckpt_ptr" in single and "start, count, slots_ptr" not in single
