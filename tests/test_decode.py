@@ -7,10 +7,11 @@ import torch
 
 from replaygen import plan
 from replaygen.configs import BucketConfig, KernelConfig, KernelKind
-from replaygen.harness import InputFactory, check_decode, relative_error
+from replaygen.harness import TOLERANCE, CheckReport, InputFactory, check_decode, relative_error, state_tolerance
 from replaygen.reference import Reference
 from replaygen.runtime import load_kernels
 from replaygen.spec import load_spec
+from replaygen.spec.model import CacheField, DType
 
 from conftest import DEVICE, ODD, ROOT, SMALL
 
@@ -72,6 +73,23 @@ def test_harness_catches_a_wrong_kernel(mamba2, small, monkeypatch):
 
     report = check_decode(Broken(), mamba2, SMALL, device=DEVICE, cycles=1)
     assert not report.ok
+
+
+def test_harness_checks_states_at_their_own_tolerance(mamba2):
+    """A state 1e-3 off fails a check whose 16-bit outputs pass at 1.5e-2: Mamba-2's buffer caches only raw inputs
+    and float32 fields (kernel and reference fold the same rounded values), so its states are held to float32's
+    1e-4. GDN caches its corrected values in the activation dtype, so its states get that dtype's tolerance; so does a
+    derived field cached at 16 bits, or a 16-bit state."""
+    gdn = load_spec(ROOT / "specs" / "gdn.yaml")
+    assert state_tolerance(mamba2, torch.bfloat16) == state_tolerance(mamba2, torch.float16) == TOLERANCE[torch.float32]
+    assert state_tolerance(gdn, torch.bfloat16) == TOLERANCE[torch.bfloat16] and state_tolerance(gdn, torch.float32) == TOLERANCE[torch.float32]
+    half_weight = replace(mamba2, cache=tuple(replace(c, dtype=None) if c.field is CacheField.WEIGHT else c for c in mamba2.cache))
+    assert state_tolerance(half_weight, torch.float16) == TOLERANCE[torch.float16]
+    half_state = replace(mamba2, state=replace(mamba2.state, dtype=DType.BFLOAT16))
+    assert state_tolerance(half_state, torch.float32) == TOLERANCE[torch.bfloat16]
+    report = CheckReport("drift", 1, TOLERANCE[torch.bfloat16], TOLERANCE[torch.float32], {"replay_decode": (1e-3, 0), "materialize": (1e-3, 0)}, ())
+    failing = [line.split()[0] for line in report.lines()[1:] if line.endswith("FAIL")]
+    assert not report.ok and failing == ["materialize"]
 
 
 def random_states(module, n, seed=0):
