@@ -16,12 +16,11 @@ import torch
 
 from replaygen.plan import api_tensors
 from replaygen.reference import Reference
-from replaygen.spec.model import CacheField, DType, Spec, TargetShape, VectorTransform
+from replaygen.spec.model import CacheField, Spec, TargetShape, VectorTransform
 from replaygen.traffic import verify_flush_period
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
 STATE_KERNELS = ("materialize", "baseline_state")  # compared as full states, at state_tolerance
-_TORCH_DTYPE = {DType.FLOAT32: torch.float32, DType.FLOAT16: torch.float16, DType.BFLOAT16: torch.bfloat16}
 POISON_CURSOR = -777
 
 
@@ -127,7 +126,7 @@ def state_tolerance(spec: Spec, act_dtype: torch.dtype) -> float:
         raw = cached.field is CacheField.VALUE or (cached.field is CacheField.KEY and spec.key.transform is VectorTransform.NONE)
         if not raw:
             dtypes.append(cached.dtype)
-    return max(TOLERANCE[act_dtype if dtype is None else _TORCH_DTYPE[dtype]] for dtype in dtypes)
+    return max(TOLERANCE[act_dtype if dtype is None else getattr(torch, dtype.value)] for dtype in dtypes)  # DType values name torch dtypes
 
 
 @dataclass(frozen=True)
