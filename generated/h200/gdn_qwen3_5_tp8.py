@@ -205,6 +205,26 @@
 #     }
 #    ],
 #    [
+#     2,
+#     {
+#      "block_v": 16,
+#      "early_launch": true,
+#      "evict_state": true,
+#      "flush_at": 1,
+#      "fold_chunk": 1,
+#      "fold_dot": false,
+#      "fused_flush": true,
+#      "max_registers": 128,
+#      "num_stages": 1,
+#      "num_warps": 8,
+#      "overlap_scores": false,
+#      "precompute_scores": false,
+#      "prefetch_ring": true,
+#      "readout_dot": false,
+#      "route": "output_only"
+#     }
+#    ],
+#    [
 #     8,
 #     {
 #      "block_v": 8,
@@ -436,6 +456,7 @@ _BASELINE_DECODE_CONFIGS = (
 )
 _REPLAY_DECODE_CONFIGS = (
     (1, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': False, 'overlap_scores': False, 'early_launch': True}),
+    (2, {'block_v': 16, 'num_warps': 8, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 128, 'evict_state': True, 'overlap_scores': False, 'early_launch': True}),
     (8, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False, 'early_launch': True}),
     (32, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 2, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False, 'early_launch': True}),
     (128, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 16, 'prefetch_ring': False, 'fold_chunk': 2, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True, 'align_flushes': True, 'flush_groups': 2, 'early_launch': True}),
@@ -533,7 +554,7 @@ s_v_b, s_v_h, s_k_b, s_k_h, s_q_b, s_q_h, s_a_b, s_a_h, s_g_b, s_g_h, s_b_b, s_b
 
 @triton.jit(noinline=True)
 def _fold_buffered_tile(
-    i_v, i_h, i_b, slots_ptr, cursor_ptr, ckpt_ptr,
+    i_v, i_h, i_b, start, count, slots_ptr, ckpt_ptr,
     buf_value_ptr, buf_key_ptr, buf_log_decay_ptr, 
     FOLD_CHUNK: tl.constexpr,
     STATE_EVICTION: tl.constexpr,
@@ -542,7 +563,8 @@ def _fold_buffered_tile(
     """Fold the entries buffered in one (value block i_v, head i_h, batch row i_b) tile into its checkpoint in memory
     and empty the buffer: the flush-every-step decode does so for rows that arrive with entries. The folded tile goes
     through memory, so the fold's registers end with it and the step's own path stays the baseline's. Out of
-    line (noinline), the decode calls it once per CURSOR_GRAIN value rows, so its registers stay under the step's."""
+    line (noinline), the decode calls it once per CURSOR_GRAIN value rows, so its registers stay under the step's.    Several warps share a program (decode_multi_warp), so the decode passes the ring start and entry count it read
+    and moves the cursor itself, after a barrier."""
     i_kh = i_h // HEADS_PER_KEY_HEAD
     o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
     o_k = tl.arange(0, BLOCK_K)
@@ -552,14 +574,6 @@ def _fold_buffered_tile(
     i_slot = tl.load(slots_ptr + i_b)
     valid = i_slot >= 0
     i_slot = tl.maximum(i_slot, 0).to(tl.int64)
-
-    o_c = i_v * (BLOCK_V // CURSOR_GRAIN) + tl.arange(0, BLOCK_V // CURSOR_GRAIN)
-    m_c = (o_c < CURSOR_BLOCKS) & valid
-    p_cursor = cursor_ptr + ((i_slot * HEADS + i_h) * CURSOR_BLOCKS + o_c) * 2
-
-    p_cursor0 = cursor_ptr + ((i_slot * HEADS + i_h) * CURSOR_BLOCKS + i_v * (BLOCK_V // CURSOR_GRAIN)) * 2
-    start = tl.load(p_cursor0, mask=valid, other=0)
-    count = tl.load(p_cursor0 + 1, mask=valid, other=0)
 
     m_s = m_v[:, None] & m_k[None, :] & valid
     p_s = ckpt_ptr + (i_slot * HEADS + i_h) * STATE_SIZE + o_v[:, None] * STATE_STRIDE_V + o_k[None, :] * STATE_STRIDE_K
@@ -587,10 +601,8 @@ def _fold_buffered_tile(
             b_scale = tl.exp(b_total - b_through)
             b_s += b_u_e[:, None] * (b_k_e * b_scale)[None, :]
 
+    tl.debug_barrier()
     tl.store(p_s, b_s.to(ckpt_ptr.dtype.element_ty), mask=m_s, eviction_policy=STATE_EVICTION)
-
-    tl.store(p_cursor, tl.zeros_like(o_c) + (start + count) % RING, mask=m_c)
-    tl.store(p_cursor + 1, tl.zeros_like(o_c) + 0, mask=m_c)
 
 
 @triton.jit
@@ -815,8 +827,11 @@ s_v_b, s_v_h, s_k_b, s_k_h, s_q_b, s_q_h, s_a_b, s_a_h, s_g_b, s_g_h, s_b_b, s_b
     if ALWAYS_FLUSH:
         if count > 0:
             for i_piece in range(BLOCK_V // CURSOR_GRAIN):
-                _fold_buffered_tile(i_v * (BLOCK_V // CURSOR_GRAIN) + i_piece, i_h, i_b, slots_ptr, cursor_ptr, ckpt_ptr, buf_value_ptr, buf_key_ptr, buf_log_decay_ptr, FOLD_CHUNK, STATE_EVICTION, CURSOR_GRAIN)
+                _fold_buffered_tile(i_v * (BLOCK_V // CURSOR_GRAIN) + i_piece, i_h, i_b, start, count, slots_ptr, ckpt_ptr, buf_value_ptr, buf_key_ptr, buf_log_decay_ptr, FOLD_CHUNK, STATE_EVICTION, CURSOR_GRAIN)
             tl.debug_barrier()
+            tl.store(p_cursor, tl.zeros_like(o_c) + (start + count) % RING, mask=m_c)
+            tl.store(p_cursor + 1, tl.zeros_like(o_c) + 0, mask=m_c)
+
             b_s = tl.load(p_s, mask=m_s, other=0, eviction_policy=STATE_EVICTION).to(tl.float32)
             b_s = b_s * tl.exp(b_lg)
             b_u = b_w * (b_v - tl.sum(b_s * b_k[None, :], 1))

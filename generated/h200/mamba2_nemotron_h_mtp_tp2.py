@@ -242,6 +242,44 @@
 #   ],
 #   "replay_decode": [
 #    [
+#     1,
+#     {
+#      "block_v": 8,
+#      "evict_state": true,
+#      "flush_at": 1,
+#      "fold_chunk": 1,
+#      "fold_dot": false,
+#      "fused_flush": true,
+#      "max_registers": 0,
+#      "num_stages": 1,
+#      "num_warps": 8,
+#      "overlap_scores": false,
+#      "precompute_scores": false,
+#      "prefetch_ring": true,
+#      "readout_dot": false,
+#      "route": "output_only"
+#     }
+#    ],
+#    [
+#     2,
+#     {
+#      "block_v": 32,
+#      "evict_state": true,
+#      "flush_at": 1,
+#      "fold_chunk": 1,
+#      "fold_dot": false,
+#      "fused_flush": true,
+#      "max_registers": 0,
+#      "num_stages": 1,
+#      "num_warps": 8,
+#      "overlap_scores": false,
+#      "precompute_scores": false,
+#      "prefetch_ring": true,
+#      "readout_dot": false,
+#      "route": "output_only"
+#     }
+#    ],
+#    [
 #     4,
 #     {
 #      "block_v": 8,
@@ -502,6 +540,8 @@ _BASELINE_DECODE_CONFIGS = (
     (None, {'block_v': 16, 'num_warps': 4, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': False, 'overlap_scores': False}),
 )
 _REPLAY_DECODE_CONFIGS = (
+    (1, {'block_v': 8, 'num_warps': 8, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
+    (2, {'block_v': 32, 'num_warps': 8, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
     (4, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
     (8, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 16, 'prefetch_ring': False, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True, 'align_flushes': True, 'flush_groups': 2}),
     (128, {'block_v': 32, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 16, 'prefetch_ring': False, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True, 'align_flushes': True, 'flush_groups': 2}),
@@ -598,7 +638,7 @@ s_x_b, s_x_h, s_B_b, s_B_h, s_C_b, s_C_h, s_dt_b, s_dt_h, s_z_b, s_z_h, s_out_b,
 
 @triton.jit
 def _fold_buffered_tile(
-    i_v, i_h, i_b, slots_ptr, cursor_ptr, ckpt_ptr,
+    i_v, i_h, i_b, start, count, slots_ptr, ckpt_ptr,
     buf_value_ptr, buf_key_ptr, buf_log_decay_ptr, buf_weight_ptr, 
     FOLD_CHUNK: tl.constexpr,
     STATE_EVICTION: tl.constexpr,
@@ -606,7 +646,8 @@ def _fold_buffered_tile(
 ):
     """Fold the entries buffered in one (value block i_v, head i_h, batch row i_b) tile into its checkpoint in memory
     and empty the buffer: the flush-every-step decode does so for rows that arrive with entries. The folded tile goes
-    through memory, so the fold's registers end with it and the step's own path stays the baseline's."""
+    through memory, so the fold's registers end with it and the step's own path stays the baseline's.    Several warps share a program (decode_multi_warp), so the decode passes the ring start and entry count it read
+    and moves the cursor itself, after a barrier."""
     i_kh = i_h // HEADS_PER_KEY_HEAD
     o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
     o_k = tl.arange(0, BLOCK_K)
@@ -616,14 +657,6 @@ def _fold_buffered_tile(
     i_slot = tl.load(slots_ptr + i_b)
     valid = i_slot >= 0
     i_slot = tl.maximum(i_slot, 0).to(tl.int64)
-
-    o_c = i_v * (BLOCK_V // CURSOR_GRAIN) + tl.arange(0, BLOCK_V // CURSOR_GRAIN)
-    m_c = (o_c < CURSOR_BLOCKS) & valid
-    p_cursor = cursor_ptr + ((i_slot * HEADS + i_h) * CURSOR_BLOCKS + o_c) * 2
-
-    p_cursor0 = cursor_ptr + ((i_slot * HEADS + i_h) * CURSOR_BLOCKS + i_v * (BLOCK_V // CURSOR_GRAIN)) * 2
-    start = tl.load(p_cursor0, mask=valid, other=0)
-    count = tl.load(p_cursor0 + 1, mask=valid, other=0)
 
     m_s = m_v[:, None] & m_k[None, :] & valid
     p_s = ckpt_ptr + (i_slot * HEADS + i_h) * STATE_SIZE + o_v[:, None] * STATE_STRIDE_V + o_k[None, :] * STATE_STRIDE_K
@@ -652,10 +685,8 @@ def _fold_buffered_tile(
             b_scale = tl.exp(b_total - b_through) * tl.load(p_buf_weight + r, mask=m_e, other=0)
             b_s += b_u_e[:, None] * (b_k_e * b_scale)[None, :]
 
+    tl.debug_barrier()
     tl.store(p_s, b_s.to(ckpt_ptr.dtype.element_ty), mask=m_s, eviction_policy=STATE_EVICTION)
-
-    tl.store(p_cursor, tl.zeros_like(o_c) + (start + count) % RING, mask=m_c)
-    tl.store(p_cursor + 1, tl.zeros_like(o_c) + 0, mask=m_c)
 
 
 @triton.jit
@@ -729,8 +760,11 @@ s_x_b, s_x_h, s_B_b, s_B_h, s_C_b, s_C_h, s_dt_b, s_dt_h, s_z_b, s_z_h, s_out_b,
 
     if ALWAYS_FLUSH:
         if count > 0:
-            _fold_buffered_tile(i_v, i_h, i_b, slots_ptr, cursor_ptr, ckpt_ptr, buf_value_ptr, buf_key_ptr, buf_log_decay_ptr, buf_weight_ptr, FOLD_CHUNK, STATE_EVICTION, BLOCK_V)
+            _fold_buffered_tile(i_v, i_h, i_b, start, count, slots_ptr, ckpt_ptr, buf_value_ptr, buf_key_ptr, buf_log_decay_ptr, buf_weight_ptr, FOLD_CHUNK, STATE_EVICTION, BLOCK_V)
             tl.debug_barrier()
+            tl.store(p_cursor, tl.zeros_like(o_c) + (start + count) % RING, mask=m_c)
+            tl.store(p_cursor + 1, tl.zeros_like(o_c) + 0, mask=m_c)
+
             b_s0 = tl.load(p_s, mask=m_s, other=0, eviction_policy=STATE_EVICTION).to(tl.float32)
         b_v = tl.load(x_ptr + i_b * s_x_b + i_h * s_x_h + o_v, mask=m_v, other=0).to(tl.float32)
         b_k = tl.load(B_ptr + i_b * s_B_b + i_kh * s_B_h + o_k, mask=m_k, other=0).to(tl.float32)
