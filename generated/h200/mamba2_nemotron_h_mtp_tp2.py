@@ -245,6 +245,7 @@
 #     1,
 #     {
 #      "block_v": 8,
+#      "early_launch": true,
 #      "evict_state": true,
 #      "flush_at": 1,
 #      "fold_chunk": 1,
@@ -264,6 +265,7 @@
 #     2,
 #     {
 #      "block_v": 32,
+#      "early_launch": true,
 #      "evict_state": true,
 #      "flush_at": 1,
 #      "fold_chunk": 1,
@@ -283,6 +285,7 @@
 #     4,
 #     {
 #      "block_v": 8,
+#      "early_launch": true,
 #      "evict_state": true,
 #      "flush_at": 1,
 #      "fold_chunk": 1,
@@ -303,6 +306,7 @@
 #     {
 #      "align_flushes": true,
 #      "block_v": 8,
+#      "early_launch": true,
 #      "evict_state": true,
 #      "flush_at": 16,
 #      "flush_groups": 2,
@@ -540,10 +544,10 @@ _BASELINE_DECODE_CONFIGS = (
     (None, {'block_v': 16, 'num_warps': 4, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': False, 'overlap_scores': False}),
 )
 _REPLAY_DECODE_CONFIGS = (
-    (1, {'block_v': 8, 'num_warps': 8, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
-    (2, {'block_v': 32, 'num_warps': 8, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
-    (4, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
-    (8, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 16, 'prefetch_ring': False, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True, 'align_flushes': True, 'flush_groups': 2}),
+    (1, {'block_v': 8, 'num_warps': 8, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False, 'early_launch': True}),
+    (2, {'block_v': 32, 'num_warps': 8, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False, 'early_launch': True}),
+    (4, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False, 'early_launch': True}),
+    (8, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 16, 'prefetch_ring': False, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True, 'align_flushes': True, 'flush_groups': 2, 'early_launch': True}),
     (128, {'block_v': 32, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 16, 'prefetch_ring': False, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True, 'align_flushes': True, 'flush_groups': 2}),
     (None, {'block_v': 32, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 16, 'prefetch_ring': False, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True}),
 )
@@ -708,6 +712,7 @@ s_x_b, s_x_h, s_B_b, s_B_h, s_C_b, s_C_h, s_dt_b, s_dt_h, s_z_b, s_z_h, s_out_b,
     FOLD_CHUNK: tl.constexpr,
     STATE_EVICTION: tl.constexpr,
     USE_PDL: tl.constexpr,
+    EARLY_WAIT: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """ReplaySSM decode of one token per sequence.
@@ -725,9 +730,12 @@ s_x_b, s_x_h, s_B_b, s_B_h, s_C_b, s_C_h, s_dt_b, s_dt_h, s_z_b, s_z_h, s_out_b,
     the checkpoint; a row that arrives with entries buffered by steps with a larger flush_at has them folded into
     the checkpoint in memory (`_fold_buffered_tile`) before the step, or after a step taken as if nothing were
     buffered, whose state store skips such tiles and which is then redone from the folded checkpoint
-    (replaygen.plan.leftovers_in_memory).
+    (replaygen.plan.leftovers_in_memory). EARLY_WAIT: launched as a programmatic dependent of the kernel before it
+    (early_launch), it waits for that kernel before its first memory access.
     """
     tl.static_assert(not ALIGNED_FLUSH or (PRECOMPUTED_SCORES and FUSED_FLUSH and not STATE_ROUTE), "ALIGNED_FLUSH reads the step clock after the scores kernel")
+    if EARLY_WAIT:
+        gdc_wait()
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
     i_b = tl.program_id(2)
@@ -909,6 +917,7 @@ def _scores_kernel(
     BLOCK_T: tl.constexpr,
     ADVANCE_CLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
+    EARLY_WAIT: tl.constexpr,
 ):
     """Scores shared by every head of a key head, once per (key head, batch row), for the NUM_TOKENS tokens of a
     window (decode: one token, token stride 0): each ring position's key and each window token's key dotted with
@@ -918,7 +927,10 @@ def _scores_kernel(
     the scores is its programmatic dependent and may start at once (it waits for the scores where it reads them).
     ADVANCE_CLOCK: the first program advances the layer's step clock [1] int32 by one, modulo clock_period (the
     decode's flush_at); the decode kernel launched next reads it after this kernel has ended (align_flushes), and
-    no other kernel of the step writes it."""
+    no other kernel of the step writes it. EARLY_WAIT: launched as a programmatic dependent of the kernel before it
+    (early_launch), it waits for that kernel first, so its own dependent starts after that kernel has ended too."""
+    if EARLY_WAIT:
+        gdc_wait()
     if USE_PDL:
         gdc_launch_dependents()
     i_kh = tl.program_id(0)
@@ -1139,6 +1151,7 @@ s_x_b, s_x_h, s_x_t, s_B_b, s_B_h, s_B_t, s_C_b, s_C_h, s_C_t, s_dt_b, s_dt_h, s
     FOLD_CHUNK: tl.constexpr,
     STATE_EVICTION: tl.constexpr,
     USE_PDL: tl.constexpr,
+    EARLY_WAIT: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """ReplaySSM verify of a window of NUM_TOKENS tokens per sequence, all tokens at once.
@@ -1157,9 +1170,12 @@ s_x_b, s_x_h, s_x_t, s_B_b, s_B_h, s_B_t, s_C_b, s_C_h, s_C_t, s_dt_b, s_dt_h, s
     the scores kernel (it reads no scores), lets the window half launch at once and waits for the scores kernel
     before it ends, so the window half's wait covers the scores too. SPLIT 2, the window half, reads them (after
     waiting for the checkpoint half with USE_PDL), applies each token's decay and key/query transform, and does the
-    rest, its BLOCK_V independent of the checkpoint half's.
+    rest, its BLOCK_V independent of the checkpoint half's. EARLY_WAIT: launched as a programmatic dependent of the kernel
+    before it (early_launch) without USE_PDL, it waits for that kernel before its first memory access.
     """
     tl.static_assert(SPLIT == 0 or (PRECOMPUTED_SCORES and not STATE_ROUTE and not READOUT_DOT), "the split verify runs the output-only route on precomputed scores")
+    if EARLY_WAIT:
+        gdc_wait()
     if (SPLIT == 1) and USE_PDL:
         gdc_launch_dependents()
     i_v = tl.program_id(0)
@@ -1537,6 +1553,19 @@ def _overlap_scores(config, device):
     return _dependent_launch[device]
 
 
+def _early_launch(config, device):
+    """Whether a config's step launches early (early_launch): its scores kernel and replay kernel launch as
+    programmatic dependents of the kernel before them, so each launch overlaps that kernel's last programs, and each
+    waits for that kernel before its first memory access (EARLY_WAIT), except a replay kernel that waits for the
+    scores kernel instead (overlap_scores), which has waited first. Needs griddepcontrol (compute capability 9.0 and
+    newer); elsewhere the kernels run in stream order."""
+    if not config.get("early_launch", False) or device.type != "cuda":
+        return False
+    if device not in _dependent_launch:
+        _dependent_launch[device] = torch.cuda.get_device_capability(device)[0] >= 9
+    return _dependent_launch[device]
+
+
 def _strides(t, tile=False):
     """(batch, head) strides of [batch, heads, ...], or (batch, head, token) strides of [batch, tokens, heads, ...]."""
     if t is None:
@@ -1644,8 +1673,9 @@ def decode(state, slots, *, x, B, C, dt, A_log, dt_bias, D, z=None, out=None, ro
     scores = config["precompute_scores"] and flush_at > 1 and route == "output_only"  # the state route never reads them
     aligned = scores and config.get("align_flushes", False)
     pdl = scores and _overlap_scores(config, state.device)
+    early = _early_launch(config, state.device)
     if scores:
-        _launch_scores(state, slots, B, C, batch, tokens=1, window=False, pdl=pdl, clock_period=flush_at if aligned else 0)
+        _launch_scores(state, slots, B, C, batch, tokens=1, window=False, pdl=pdl, clock_period=flush_at if aligned else 0, early=early)
     _replay_decode_kernel[grid](
         slots, state.cursor, state.checkpoint, state.scores, state.pending, state.clock, *state.buffers(),
         x, B, C, dt, z, A_log, dt_bias, D, out,
@@ -1656,7 +1686,7 @@ def decode(state, slots, *, x, B, C, dt, A_log, dt_bias, D, z=None, out=None, ro
         PREFETCH_RING=config["prefetch_ring"], FUSED_FLUSH=config["fused_flush"], FOLD_CHUNK=config["fold_chunk"],
         PRECOMPUTED_SCORES=config["precompute_scores"], FOLD_DOT=config["fold_dot"], ALIGNED_FLUSH=aligned, ALWAYS_FLUSH=flush_at == 1,
         FLUSH_GROUPS=min(config.get("flush_groups", 1), flush_at) if aligned else 1,
-        STATE_EVICTION=_state_eviction(config), USE_PDL=pdl, BLOCK_V=block_v, **_options(config), launch_pdl=pdl,
+        STATE_EVICTION=_state_eviction(config), USE_PDL=pdl, EARLY_WAIT=early and not pdl, BLOCK_V=block_v, **_options(config), launch_pdl=pdl or early,
     )
     if not config["fused_flush"] and flush_at > 1:
         _flush_kernel[(_flush_programs(state.device),)](
@@ -1769,16 +1799,18 @@ def _block_t(tokens):
     return block, block.bit_length() - 1
 
 
-def _launch_scores(state, slots, key, query, batch, tokens, window, pdl, clock_period=0):
+def _launch_scores(state, slots, key, query, batch, tokens, window, pdl, clock_period=0, early=False):
     """`_scores_kernel` for every (key head, batch row): the scores of this step's `tokens` tokens (a window's
     [batch, T, ...] inputs, or a decode step's [batch, ...]) into state.scores; `pdl`: the replay kernel launched
     next is its programmatic dependent; `clock_period` > 0: this decode step advances state.clock modulo it
-    (align_flushes)."""
+    (align_flushes); `early`: launched as a programmatic dependent of the kernel before it, it waits for that
+    kernel first (early_launch)."""
     block_t = _block_t(tokens)[0]
     strides = (lambda t: _strides(t, True)) if window else (lambda t: (*_strides(t), 0))
     _scores_kernel[(SHAPE["key_heads"], batch)](
         slots, state.buf_key, state.scores, state.clock, max(clock_period, 1), key, query, *strides(key), *strides(query),
-        NUM_TOKENS=tokens, BLOCK_T=block_t, ADVANCE_CLOCK=clock_period > 0, USE_PDL=pdl, num_warps=_score_warps(block_t),
+        NUM_TOKENS=tokens, BLOCK_T=block_t, ADVANCE_CLOCK=clock_period > 0, USE_PDL=pdl, EARLY_WAIT=early, num_warps=_score_warps(block_t),
+        launch_pdl=early,
     )
 
 
@@ -1813,7 +1845,7 @@ def verify(state, slots, *, x, B, C, dt, A_log, dt_bias, D, z=None, out=None):
     config = _pick(_REPLAY_VERIFY_CONFIGS, batch)
     pdl = config["precompute_scores"] and _overlap_scores(config, state.device)
     if config["precompute_scores"]:
-        _launch_scores(state, slots, B, C, batch, tokens=tokens, window=True, pdl=pdl)
+        _launch_scores(state, slots, B, C, batch, tokens=tokens, window=True, pdl=pdl, early=_early_launch(config, state.device))
     window_block_v = config.get("window_block_v", 0)
     if not window_block_v:
         _launch_verify(state, slots, x, B, C, dt, z, A_log, dt_bias, D, out, state.scores, tokens, config, 0, config["block_v"], pdl)
@@ -1830,8 +1862,10 @@ def _launch_verify(state, slots, x, B, C, dt, z, A_log, dt_bias, D, out, readout
     """One launch of `_replay_verify_kernel`: the whole verify (split 0) or one half of the split verify (1: the
     checkpoint half, 2: the window half), over block_v value rows per program; `pdl`: launched as a programmatic
     dependent of the kernel before it (split 0 and 2 wait for it before reading what it wrote; split 1 reads nothing
-    it writes, lets the next launch start at once and waits for it before ending)."""
+    it writes, lets the next launch start at once and waits for it before ending); otherwise, where the config
+    launches early, a programmatic dependent that waits for the kernel before it first."""
     block_t, log2_block_t = _block_t(tokens)
+    early = _early_launch(config, state.device)
     grid = (triton.cdiv(_VALUE_DIM, block_v), _HEADS, slots.shape[0])
     _replay_verify_kernel[grid](
         slots, state.cursor, state.checkpoint, state.scores, readouts, *state.buffers(),
@@ -1841,7 +1875,7 @@ def _launch_verify(state, slots, x, B, C, dt, z, A_log, dt_bias, D, out, readout
         NUM_TOKENS=tokens, BLOCK_T=block_t, LOG2_BLOCK_T=log2_block_t, SPLIT=split, PRECOMPUTED_SCORES=config["precompute_scores"],
         READOUT_DOT=config["readout_dot"], BLOCK_D=max(16, 1 * block_t), STATE_ROUTE=config["route"] == "state_and_output",
         PREFETCH_RING=config["prefetch_ring"], FOLD_CHUNK=config["fold_chunk"], FOLD_DOT=config["fold_dot"],
-        STATE_EVICTION=_state_eviction(config), USE_PDL=pdl, BLOCK_V=block_v, **_options(config), launch_pdl=pdl,
+        STATE_EVICTION=_state_eviction(config), USE_PDL=pdl, EARLY_WAIT=early and not pdl, BLOCK_V=block_v, **_options(config), launch_pdl=pdl or early,
     )
 
 
