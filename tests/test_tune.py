@@ -489,6 +489,24 @@ def test_batch_sizes_whose_trials_all_went_stale_stop_the_build(mamba2, tmp_path
     assert any("replay_decode at batch 512: a neighbouring tuned bucket's config (--allow-default)" in n for n in allowed.notes)
 
 
+def test_a_kernel_tuned_short_of_the_others_stops_the_build(mamba2, tmp_path):
+    """A tune cut short (the device's time ran out) leaves one kernel's largest tuned batch below another kernel's: its
+    open-ended bucket must not silently stretch a small batch's winner over the large batches."""
+    shape = mamba2.shape("nemotron-h")
+    small, large = KernelConfig(block_v=16, num_warps=8, flush_at=1), KernelConfig(block_v=32, num_warps=1, flush_at=16)
+    base = KernelConfig(block_v=16, num_warps=8)
+    tune_dir = tmp_path / "tune"
+    trials = [trial(mamba2, shape, BD, base, b, 0.01 * b) for b in (1, 32, 512)]
+    write(tune_dir, mamba2, shape, trials + [trial(mamba2, shape, RD, small, 1, 0.005), trial(mamba2, shape, RD, large, 32, 0.05)])
+    with pytest.raises(TuningRecordError, match=r"(?s)replay_decode up to batch 32, not at 512 .*--kernels replay_decode --batch 512`"):
+        resolve_configs(mamba2, shape, "h100", tune_dir)
+    allowed = resolve_configs(mamba2, shape, "h100", tune_dir, allow_default=True)
+    assert allowed.configs[RD] == (rec.BucketConfig(1, small), rec.BucketConfig(None, large))
+    assert any("replay_decode up to batch 32, not at 512: batch 32's config above it (--allow-default)" in n for n in allowed.notes)
+    write(tune_dir, mamba2, shape, [trial(mamba2, shape, RD, large, 512, 0.4)])
+    assert resolve_configs(mamba2, shape, "h100", tune_dir).configs[RD][-1] == rec.BucketConfig(None, large)
+
+
 def test_a_winner_that_no_longer_validates_is_skipped(mamba2, tmp_path, monkeypatch):
     import replaygen.plan
 

@@ -14,7 +14,9 @@ becomes the upper edge of a bucket (the largest tuned one is open-ended); neighb
 with one winner merge. Kernels the file never tuned (materialize, load and commit always) keep
 their documented defaults, and the build says so; a kernel whose trials all fail to apply
 needs --allow-default, and so does one with winners at some tuned batch sizes and none at others
-(those would run a neighbouring bucket's config).
+(those would run a neighbouring bucket's config), and one whose largest tuned batch size is below a size the
+file tuned another kernel at (a tune cut short: its open-ended bucket would stretch a small batch's winner
+over the large batches).
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ class _KindPick:
     skipped: Counter = field(default_factory=Counter)  # (reason, detail) -> trials left out
     accepted: Counter = field(default_factory=Counter)  # soft (reason, detail) -> winners applied anyway
     uncovered: set[int] = field(default_factory=set)  # batch sizes with passing trials, none of which applies
+    tuned: set[int] = field(default_factory=set)  # batch sizes with passing trials
     aligned_left_out: int = 0  # trials with align_flushes not considered (spread_flushes)
 
 
@@ -139,10 +142,12 @@ def resolve_configs(
     defaulted = sorted(k.value for k in KernelKind if k not in TUNABLE_KINDS)
     stale = []
     partial: list[tuple[KernelKind, list[int]]] = []  # kinds tuned at some batch sizes whose other tuned sizes went stale
+    short: list[tuple[KernelKind, int, list[int]]] = []  # kinds whose largest tuned batch size is below another kind's
     if spread_flushes:
         configs[KernelKind.REPLAY_DECODE] = tuple(replace(b, config=replace(b.config, align_flushes=False)) for b in configs[KernelKind.REPLAY_DECODE])
-    for kind in TUNABLE_KINDS:
-        pick = _pick(records, kind, target, accept_env_mismatch, spread_flushes, flush_groups)
+    picks = {kind: _pick(records, kind, target, accept_env_mismatch, spread_flushes, flush_groups) for kind in TUNABLE_KINDS}
+    tuned_anywhere = set().union(*(pick.tuned for pick in picks.values()))
+    for kind, pick in picks.items():
         for (reason, detail), count in sorted(pick.skipped.items(), key=lambda item: item[0][0].name):
             notes.append(f"{kind.value}: {count} trial(s) in {path} not applied: {reason.value} ({detail})")
         if pick.aligned_left_out:
@@ -155,6 +160,9 @@ def resolve_configs(
             notes.append(f"{kind.value}: tuned ({buckets})")
             if pick.uncovered:
                 partial.append((kind, sorted(pick.uncovered)))
+            beyond = sorted(b for b in tuned_anywhere if b > max(pick.tuned))
+            if beyond:
+                short.append((kind, max(pick.tuned), beyond))
         elif pick.skipped:
             stale.append(kind.value)
         else:
@@ -181,6 +189,17 @@ def resolve_configs(
                 "--recorded 3` on that GPU, or pass --allow-default to build them with a neighbouring tuned bucket's config"
             )
         notes += [f"{line}: a neighbouring tuned bucket's config (--allow-default)" for line in lines]
+    if short:
+        lines = [f"{kind.value} up to batch {largest}, not at {', '.join(map(str, beyond))}" for kind, largest, beyond in short]
+        if not allow_default:
+            raise TuningRecordError(
+                f"{path}: kernels tuned at fewer batch sizes than the file's others (a tune cut short?): {'; '.join(lines)} (the larger "
+                f"batches would silently run the largest tuned one's config):\n  " + "\n  ".join(notes)
+                + f"\ntune them there with `replaygen tune {spec.source_file} --shape {shape.name} --kernels "
+                f"{','.join(kind.value for kind, _, _ in short)} --batch {','.join(map(str, sorted({b for _, _, beyond in short for b in beyond})))}` "
+                "on that GPU, or pass --allow-default to build them with their largest tuned batch's config"
+            )
+        notes += [f"{line}: batch {largest}'s config above it (--allow-default)" for line, (_, largest, _) in zip(lines, short)]
     configs[KernelKind.REPLAY_DECODE], regrouped = _group_flushes(configs[KernelKind.REPLAY_DECODE], shape, flush_groups)
     source = label + (f"; defaults for {', '.join(sorted(defaulted))}" if defaulted else "") + ("; flushes spread (no align_flushes)" if spread_flushes else "")
     source += f"; aligned flushes in {flush_groups} groups" if regrouped and flush_groups > 1 else ""
@@ -243,8 +262,8 @@ def _pick(
             pick.accepted.update(found)
             pick.winners[batch] = trial
             break
-    tuned = {t.batch for t in records.trials if t.key.kind is kind and t.status is TrialStatus.OK and t.timing is not None}
-    pick.uncovered = tuned - set(pick.winners)
+    pick.tuned = {t.batch for t in records.trials if t.key.kind is kind and t.status is TrialStatus.OK and t.timing is not None}
+    pick.uncovered = pick.tuned - set(pick.winners)
     return pick
 
 
