@@ -7,12 +7,16 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from replaygen import __version__
 from replaygen.configs import BATCH_BUCKETS, DEFAULT_FLUSH_GROUPS, KernelKind
 from replaygen.errors import ReplaygenError
 from replaygen.offline import ARCHITECTURES
 from replaygen.tune.space import TUNABLE_KINDS as TUNABLE
+
+if TYPE_CHECKING:
+    from replaygen.spec.model import Spec
 
 DEFAULT_BATCHES = ",".join(map(str, BATCH_BUCKETS))
 
@@ -134,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
         "with --exhaustive or --recorded, processes that compile each search's candidates ahead of the GPU (default: the CPUs "
         "less two; 0: off)"))
 
-    p = sub.add_parser("list", help="specs, their shapes, and GPUs with tuning records", description="List the specs in SPECS_DIR with their shapes, and the GPUs that have tuning records in TUNE_DIR.")
+    p = sub.add_parser("list", help="specs, their shapes, and GPUs with tuning records", description="List the specs in SPECS_DIR with their shapes, the GPUs that have tuning records in TUNE_DIR and, per GPU, which shapes' records hold trials of which kernels (and which shapes have none, so build runs their documented defaults).")
     p.add_argument("--specs-dir", default="specs", type=Path)
     p.add_argument("--tune-dir", default="tune", type=Path)
     return parser
@@ -324,18 +328,48 @@ def cmd_list(args: argparse.Namespace) -> int:
     specs = sorted(args.specs_dir.glob("*.yaml"))
     if not specs:
         print(f"no specs in {args.specs_dir}")
+    loaded = []
     for path in specs:
         try:
             spec = load_spec(path)
         except SpecError as exc:
             print(f"{path}: INVALID: {exc}")
             continue
+        loaded.append(spec)
         print(f"{spec.name} ({path}): {spec.description}")
         for shape in spec.shapes:
             print(f"  {shape.name:<18} {_describe(shape)}")
     gpus = sorted(p.name for p in args.tune_dir.iterdir() if p.is_dir()) if args.tune_dir.is_dir() else []
     print(f"GPUs with tuning records in {args.tune_dir}: {', '.join(gpus) if gpus else 'none'}")
+    for gpu in gpus:
+        for spec in loaded:
+            print(f"  {gpu} {spec.name}:")
+            for kernels, shapes in _record_coverage(args.tune_dir, gpu, spec).items():
+                print(f"    {kernels}: {', '.join(shapes)}")
     return 0
+
+
+def _record_coverage(tune_dir: Path, gpu: str, spec: Spec) -> dict[str, list[str]]:
+    """The spec's shapes grouped by the kernels their record file on `gpu` holds passing trials of (whether those
+    trials still apply is `build`'s to say); shapes without a file under "no records", an unreadable file named."""
+    from replaygen.errors import TuningRecordError
+    from replaygen.tune.records import TrialStatus, read_records, record_path
+
+    groups: dict[str, list[str]] = {}
+    for shape in spec.shapes:
+        path = record_path(tune_dir, gpu, spec, shape)
+        if not path.exists():
+            label = "no records (build needs --allow-default: documented defaults)"
+        else:
+            try:
+                trials = read_records(path).trials
+            except TuningRecordError as exc:
+                label = f"UNREADABLE ({exc})"
+            else:
+                kinds = {t.key.kind for t in trials if t.status is TrialStatus.OK}
+                label = "trials of " + (", ".join(k.value for k in KernelKind if k in kinds) or "no kernel that passed")
+        groups.setdefault(label, []).append(shape.name)
+    return groups
 
 
 def _int_list(flag: str, text: str) -> list[int]:

@@ -40,10 +40,18 @@ def test_show(capsys):
 
 
 def test_list(capsys, tmp_path):
-    (tmp_path / "tune" / "h100").mkdir(parents=True)
+    """Specs, shapes, and per GPU which shapes' records hold trials of which kernels (a corrupt file named)."""
+    records = tmp_path / "tune" / "h100"
+    records.mkdir(parents=True)
+    (records / "mamba2_nemotron_h.json").write_text((ROOT / "tune" / "h100" / "mamba2_nemotron_h.json").read_text())
+    (records / "mamba2_nemotron_h_tp2.json").write_text("{")
     assert main(["list", "--specs-dir", str(ROOT / "specs"), "--tune-dir", str(tmp_path / "tune")]) == 0
     out = capsys.readouterr().out
-    assert "nemotron-h-tp8" in out and "GPUs with tuning records" in out and "h100" in out
+    assert "nemotron-h-tp8" in out and "GPUs with tuning records in" in out and "h100" in out
+    assert "  h100 mamba2:\n    trials of baseline_decode, replay_decode: nemotron-h\n" in out
+    assert f"    UNREADABLE ({records / 'mamba2_nemotron_h_tp2.json'}: corrupt or truncated" in out
+    assert "    no records (build needs --allow-default: documented defaults): nemotron-h-tp4, nemotron-h-tp8, nemotron-h-l8" in out
+    assert "  h100 gdn:\n    no records (build needs --allow-default: documented defaults): qwen3.5, " in out
 
 
 def test_build(capsys, tmp_path):
