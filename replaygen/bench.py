@@ -578,7 +578,7 @@ def bench_verify(
                     nbytes = baseline_verify_bytes(spec, vshape, act, tokens).total
                 else:
                     mean_accepted = max(1, round((1 + tokens) / 2)) if accept == "random" else tokens
-                    nbytes = replay_verify_bytes(spec, vshape, act, tokens, mean_accepted).total
+                    nbytes = replay_verify_bytes(spec, vshape, act, tokens, mean_accepted, config.flush_at).total
                 nbytes *= batch
                 rows.append(
                     VerifyRow(

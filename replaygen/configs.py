@@ -16,6 +16,11 @@ Until a tuning record exists for a GPU, `build --allow-default` uses
   same steps as every other (docs/perf.md entry 28); with `flush_groups` G
   the slots form G groups (slot % G) that flush on G evenly spaced steps of
   the clock, so each flushing step folds 1/G of the rows (entry 29).
+- replay verify folds a sequence's h committed entries into its checkpoint when
+  h + 2T > L (the flush rule); with `flush_at` f >= 1 also when h >= f, so at
+  f = 1 every step that follows an accepted token folds at most a window's
+  entries and stores the state (short dependent chains for small batches,
+  where the state's bytes cost little; docs/perf.md entry 55).
 - `early_launch` (replay decode and verify, compute capability 9.0 and newer): the step's scores kernel and replay
   kernel launch as programmatic dependents of the kernel before them, so their launch overlaps its last programs;
   each waits for it before its first memory access (docs/perf.md entry 42). Off in every default, so the modules
@@ -80,7 +85,7 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 1
     route: Route = Route.OUTPUT_ONLY  # replay kernels (verify: state_and_output folds on every step)
-    flush_at: int = 0  # replay decode only; 0 means the capacity L
+    flush_at: int = 0  # replay decode: flush threshold; replay verify: also fold at h >= flush_at; 0 means the capacity L
     prefetch_ring: bool = True  # replay kernels: load every ring position without waiting for the cursor
     fold_chunk: int = 4  # replay kernels: buffered entries loaded together per step of the fold loop
     fold_dot: bool = False  # replay kernels: fold the ring by one tensor-core product (tf32x3) instead of a loop

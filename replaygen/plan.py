@@ -86,6 +86,7 @@ class ModulePlan:
     # per kind, so one kind's buckets never change the other kind's kernel text (and its records' source hashes)
     decode_prefetches_fold_keys: bool
     verify_prefetches_fold_keys: bool
+    verify_flush_at: bool  # some replay verify bucket also folds at h >= flush_at: the verify kernel takes FLUSH_AT
     # API
     step_inputs: tuple[TensorArg, ...]
     weights: tuple[TensorArg, ...]
@@ -158,6 +159,7 @@ def plan_module(
         early_launch=any(b.config.early_launch for kind in (KernelKind.REPLAY_DECODE, KernelKind.REPLAY_VERIFY) for b in configs[kind]),
         decode_prefetches_fold_keys=any(b.config.prefetch_fold_keys for b in configs[KernelKind.REPLAY_DECODE]),
         verify_prefetches_fold_keys=any(b.config.prefetch_fold_keys for b in configs[KernelKind.REPLAY_VERIFY]),
+        verify_flush_at=any(b.config.flush_at for b in configs[KernelKind.REPLAY_VERIFY]),
         step_inputs=step_inputs,
         weights=weights,
         buffers=_buffers(spec, shape),

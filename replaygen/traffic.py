@@ -117,26 +117,34 @@ def slot_memory(spec: Spec, shape: TargetShape, act: DType) -> SlotMemory:
     return SlotMemory(baseline=s, replay_checkpoint=s, replay_buffers=ring * entry_bytes(spec, shape, act), replay_cursor=cursors)
 
 
-def verify_flush_period(shape: TargetShape, tokens: int, accepted: int) -> tuple[int, ...]:
+def verify_flushes(shape: TargetShape, tokens: int, committed: int, flush_at: int = 0) -> bool:
+    """Whether a verify step of `tokens` tokens that finds `committed` entries buffered folds them into the checkpoint
+    first: when h + 2T > L (the flush rule), or when h >= flush_at (a replay verify config's flush_at; 0 means L,
+    which the rule always reaches first)."""
+    return committed + 2 * tokens > shape.capacity or committed >= (flush_at or shape.capacity)
+
+
+def verify_flush_period(shape: TargetShape, tokens: int, accepted: int, flush_at: int = 0) -> tuple[int, ...]:
     """Buffered entries h at the start of each verify step over one steady-state cycle, when every
-    step accepts `accepted` tokens (flush rule: fold the h committed entries when h + 2T > L)."""
+    step accepts `accepted` tokens (see `verify_flushes`)."""
     h, seen, history = 0, {}, []
     while h not in seen:
         seen[h] = len(history)
         history.append(h)
-        if h + 2 * tokens > shape.capacity:
+        if verify_flushes(shape, tokens, h, flush_at):
             h = 0
         h += accepted
     return tuple(history[seen[h]:])
 
 
-def replay_verify_bytes(spec: Spec, shape: TargetShape, act: DType, tokens: int, accepted: int | None = None) -> StepBytes:
-    """Average bytes per verify (+ commit) step over a steady-state cycle; `accepted` defaults to all T tokens."""
+def replay_verify_bytes(spec: Spec, shape: TargetShape, act: DType, tokens: int, accepted: int | None = None, flush_at: int = 0) -> StepBytes:
+    """Average bytes per verify (+ commit) step over a steady-state cycle; `accepted` defaults to all T tokens;
+    `flush_at` is the verify config's (see `verify_flushes`)."""
     accepted = tokens if accepted is None else accepted
-    cycle = verify_flush_period(shape, tokens, accepted)
+    cycle = verify_flush_period(shape, tokens, accepted, flush_at)
     s = state_bytes(spec, shape)
     entry = entry_bytes(spec, shape, act)
-    flushes = sum(h + 2 * tokens > shape.capacity for h in cycle)
+    flushes = sum(verify_flushes(shape, tokens, h, flush_at) for h in cycle)
     return StepBytes(
         state_read=s,
         state_write=s * flushes / len(cycle),

@@ -162,6 +162,46 @@ def test_fold_key_prefetch_changes_no_result(spec_file):
     assert "PREFETCH_FOLD_KEYS" in timed(rendered(True, False), RD) and "PREFETCH_FOLD_KEYS" in timed(rendered(False, True), RV)
 
 
+@pytest.mark.parametrize("spec_file", ["mamba2.yaml", "gdn.yaml"])
+def test_verify_flush_at_folds_every_step(spec_file):
+    """A replay verify config's flush_at = 1: every step that finds committed entries folds them into the checkpoint
+    and stores it (the flush rule alone waits for h + 2T > L). One launch on the state-and-output route at batch <= 2,
+    the split verify over precomputed scores above; mixed with decode steps, random and all accepted, against the
+    reference and the snapshot baseline. Modules whose verify buckets leave flush_at at 0 render no trace of it, so
+    the records timed for them stay valid."""
+    spec = load_spec(ROOT / "specs" / spec_file)
+    shape = replace(SMALL, capacity=9, window=4)
+    small = KernelConfig(block_v=8, num_warps=1, route=Route.STATE_AND_OUTPUT, flush_at=1)
+    split = KernelConfig(block_v=8, num_warps=1, precompute_scores=True, overlap_scores=True, window_block_v=16, window_warps=2, flush_at=1)
+    tables = {KernelKind.REPLAY_VERIFY: (BucketConfig(2, small), BucketConfig(None, split))}
+    module = load_kernels(spec, shape, tables)
+    for batch in (2, 3):
+        mixed = check_speculative(module, spec, shape, device=DEVICE, tokens=4, mixed=True, steps=10, seed=70 + batch, batch=batch)
+        assert_passes(mixed, ("replay_verify", "replay_decode", "materialize"))
+        against_baseline = check_speculative(module, spec, shape, device=DEVICE, tokens=3, accept="all", steps=6, seed=72 + batch, batch=batch)
+        assert_passes(against_baseline, ("replay_verify", "baseline_verify", "baseline_state"))
+
+    from replaygen.harness import InputFactory
+
+    factory = InputFactory(spec, shape, DEVICE, torch.float32, seed=75)
+    weights = factory.weights()
+    slots = torch.tensor([0, 2, -1], dtype=torch.int32, device=DEVICE)
+    state = module.allocate(3, DEVICE, torch.float32)
+    module.load(state, slots[:2], factory.states(2, tuple(module.STATE_SHAPE)))
+    for accepted in ([2, 1, 2], [1, 2, 0], [0, 2, 1]):  # windows of 2: the rule alone would wait for h > 5
+        module.verify(state, slots, **factory.window(3, 2), **weights)
+        module.commit(state, slots, torch.tensor(accepted, dtype=torch.int32, device=DEVICE), num_tokens=2)
+        counts = state.cursor[..., 1][slots[:2].long()]
+        assert (counts == torch.tensor(accepted[:2], device=DEVICE).view(2, 1, 1)).all()  # the previous window's entries were folded
+
+    def timed_verify(flush_at):
+        verify = (BucketConfig(None, replace(split, flush_at=flush_at)),)
+        source = render_module(plan_module(spec, shape, "any", module_defaults(spec, shape) | {KernelKind.REPLAY_VERIFY: verify}, "defaults"))
+        return reachable_source(source, TIMED_ENTRY_POINTS[KernelKind.REPLAY_VERIFY])
+
+    assert "FLUSH_AT" in timed_verify(1) and "FLUSH_AT" not in timed_verify(0)
+
+
 def test_bf16_activations(mamba2, kernels):
     assert_passes(check_speculative(kernels, mamba2, SPEC_SHAPE, device=DEVICE, act_dtype=torch.bfloat16, use_gate=False, steps=6, seed=10))
 

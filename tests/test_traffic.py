@@ -3,7 +3,18 @@
 import pytest
 
 from replaygen.spec.model import DType
-from replaygen.traffic import baseline_decode_bytes, best_verify_capacity, entry_bytes, replay_decode_bytes, slot_memory, speedup_bound
+from dataclasses import replace
+
+from replaygen.traffic import (
+    baseline_decode_bytes,
+    best_verify_capacity,
+    entry_bytes,
+    replay_decode_bytes,
+    replay_verify_bytes,
+    slot_memory,
+    speedup_bound,
+    verify_flush_period,
+)
 
 from conftest import SMALL
 
@@ -57,3 +68,15 @@ def test_verify_capacity_fills_a_power_of_two_ring(mamba2):
     chosen = {t: best_verify_capacity(mamba2, shape, DType.BFLOAT16, t) for t in (1, 2, 4, 8, 11, 16)}
     assert chosen == {1: 15, 2: 30, 4: 28, 8: 24, 11: 53, 16: 48}
     assert mamba2.shape("nemotron-h-mtp").capacity == chosen[4]
+
+
+def test_verify_flush_at_folds_every_step(mamba2):
+    """The flush rule (h + 2T > L) alone, against a verify config's flush_at = 1: every step that finds committed
+    entries folds them, so each step starts with one window's entries and writes the state."""
+    shape = replace(SMALL, capacity=8, window=2)
+    assert verify_flush_period(shape, 2, 2) == (2, 4, 6)
+    assert verify_flush_period(shape, 2, 2, flush_at=1) == (2,)
+    assert verify_flush_period(shape, 2, 1, flush_at=3) == (1, 2, 3)
+    rule, every = (replay_verify_bytes(mamba2, shape, DType.BFLOAT16, 2, flush_at=f) for f in (0, 1))
+    assert rule.state_write == STATE / 3 and every.state_write == STATE
+    assert every.buffer_read == pytest.approx(2 * ENTRY + 16) and rule.buffer_read == pytest.approx(4 * ENTRY + 16)

@@ -108,10 +108,11 @@ def test_space_of_the_main_shape(mamba2):
     baseline = derive_space(BD, shape, batch=8)
     assert [p.name for p in baseline.free] == ["block_v", "num_warps", "evict_state"]  # no loop, route, flush or register cap
     assert len(baseline.candidates()) == 30  # 32 points, block_v=64 on one warp spills
-    verify = {"block_v", "num_warps", "max_registers", "route", "prefetch_ring", "fold_chunk", "fold_dot", "precompute_scores", "readout_dot", "evict_state",
-              "overlap_scores", "window_block_v", "window_warps", "early_launch", "prefetch_fold_keys"}
+    verify = {"block_v", "num_warps", "max_registers", "route", "flush_at", "prefetch_ring", "fold_chunk", "fold_dot", "precompute_scores", "readout_dot",
+              "evict_state", "overlap_scores", "window_block_v", "window_warps", "early_launch", "prefetch_fold_keys"}
     assert {p.name for p in derive_space(RV, shape, 8).free} == verify
     assert dict((p.name, p.choices) for p in derive_space(RV, shape, 8).parameters)["window_block_v"] == (0, 16, 32, 64)
+    assert dict((p.name, p.choices) for p in derive_space(RV, shape, 8).parameters)["flush_at"] == (0, 1)  # the flush rule alone, or every step
     assert {p.name for p in derive_space(RV, shape, 8, channel_decay=True).free} == verify - {"precompute_scores", "readout_dot", "overlap_scores", "window_block_v",
                                                                                               "window_warps"}
 

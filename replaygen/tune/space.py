@@ -10,7 +10,8 @@ templates read (nothing else is invented):
                       multiprocessor; the baselines stream their state at the copy bandwidth without a cap)
     route             replay kernels: output_only, state_and_output (verify: fold the buffer on every step and read
                       the formed state)
-    flush_at          replay_decode only: 1..L
+    flush_at          replay_decode: 1..L; replay_verify: 0 (the flush rule alone) or 1 (also fold the committed
+                      entries on every step that has any: a state store per step, a fold of at most T entries)
     precompute_scores replay kernels, per-head decay only: entry (and window) scores once per key head in a small
                       kernel
     fused_flush       replay_decode only: fold full buffers in the decode kernel, or in a persistent second launch
@@ -247,7 +248,7 @@ def derive_space(kind: KernelKind, shape: TargetShape, batch: int, channel_decay
         Parameter("num_stages", (1,), Scale.LINEAR),
         Parameter("max_registers", MAX_REGISTERS if replay else (0,), Scale.CATEGORICAL),
         Parameter("route", tuple(r.value for r in Route) if replay else (Route.OUTPUT_ONLY.value,), Scale.CATEGORICAL),
-        Parameter("flush_at", tuple(range(1, shape.capacity + 1)) if decode else (0,), Scale.LINEAR),
+        Parameter("flush_at", tuple(range(1, shape.capacity + 1)) if decode else (0, 1) if verify else (0,), Scale.LINEAR),
         Parameter("precompute_scores", both if replay and not channel_decay else (False,), Scale.CATEGORICAL),
         Parameter("fused_flush", both if decode else (True,), Scale.CATEGORICAL),
         Parameter("prefetch_ring", both if replay else (True,), Scale.CATEGORICAL),
