@@ -213,6 +213,8 @@ def validate_config(kind: KernelKind, shape: TargetShape, config: KernelConfig) 
         raise UnsupportedShapeError(f"{kind.value}: max_registers={config.max_registers} must be 0 (no cap) or 24..255")
     if not 0 <= config.flush_at <= shape.capacity:
         raise UnsupportedShapeError(f"{kind.value}: flush_at={config.flush_at} must be 0 (= L) or 1..L={shape.capacity}")
+    if config.flush_at and kind not in (KernelKind.REPLAY_DECODE, KernelKind.REPLAY_VERIFY):
+        raise UnsupportedShapeError(f"{kind.value}: flush_at applies to replay_decode and replay_verify only (no other kernel flushes a buffer)")
 
 
 def default_configs(kind: KernelKind, shape: TargetShape, *, channel_decay: bool = False, delta_rule: bool = False) -> tuple[BucketConfig, ...]:

@@ -144,6 +144,9 @@ def test_invalid_config_rejected_before_compile(mamba2):
     configs[KernelKind.BASELINE_DECODE] = (BucketConfig(None, KernelConfig(block_v=16, prefetch_fold_keys=True)),)
     with pytest.raises(UnsupportedShapeError, match="baseline_decode: prefetch_fold_keys applies to replay_decode and replay_verify only"):
         plan_module(mamba2, shape, "h100", configs, "defaults")
+    configs[KernelKind.BASELINE_DECODE] = (BucketConfig(None, KernelConfig(block_v=16, flush_at=1)),)
+    with pytest.raises(UnsupportedShapeError, match="baseline_decode: flush_at applies to replay_decode and replay_verify only"):
+        plan_module(mamba2, shape, "h100", configs, "defaults")
 
 
 def test_every_shape_of_every_shipped_spec_compiles(mamba2):
