@@ -1,10 +1,10 @@
 """Traffic model and memory arithmetic against hand-computed values."""
 
+from dataclasses import replace
+
 import pytest
 
 from replaygen.spec.model import DType
-from dataclasses import replace
-
 from replaygen.traffic import (
     baseline_decode_bytes,
     best_verify_capacity,
