@@ -7,8 +7,9 @@ import torch
 
 from replaygen.codegen import reachable_source, render_module
 from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route, module_defaults
-from replaygen.harness import check_decode, check_speculative
+from replaygen.harness import InputFactory, check_decode, check_speculative, relative_error
 from replaygen.plan import plan_module
+from replaygen.reference import Reference
 from replaygen.runtime import load_kernels
 from replaygen.spec import load_spec
 from replaygen.tune.records import TIMED_ENTRY_POINTS
@@ -181,8 +182,6 @@ def test_verify_flush_at_folds_every_step(spec_file):
         against_baseline = check_speculative(module, spec, shape, device=DEVICE, tokens=3, accept="all", steps=6, seed=72 + batch, batch=batch)
         assert_passes(against_baseline, ("replay_verify", "baseline_verify", "baseline_state"))
 
-    from replaygen.harness import InputFactory
-
     factory = InputFactory(spec, shape, DEVICE, torch.float32, seed=75)
     weights = factory.weights()
     slots = torch.tensor([0, 2, -1], dtype=torch.int32, device=DEVICE)
@@ -277,9 +276,6 @@ class TestApiErrors:
 
 def test_flushing_verify_whose_window_wraps_onto_folded_entries(mamba2):
     """h + T > L at a flushing verify: the window's keys and decays must not overwrite entries being folded."""
-    from replaygen.harness import InputFactory, relative_error
-    from replaygen.reference import Reference
-
     shape = replace(SMALL, capacity=8, window=2)
     module = load_kernels(mamba2, shape)
     factory = InputFactory(mamba2, shape, DEVICE, torch.float32, seed=12)
