@@ -29,6 +29,10 @@ Until a tuning record exists for a GPU, `build --allow-default` uses
   live ring rows' keys into L1 (`prefetch.global.L1`, no registers held), so the fold loop's key loads hit L1
   instead of waiting on L2 once per chunk of entries (docs/perf.md entry 48). Off in every default, like
   early_launch; under the Triton interpreter (CPU tensors) the module passes it as off.
+- `early_commit` (replay verify, compute capability 9.0 and newer): the `commit` after a verify of that bucket launches
+  as a programmatic dependent of the kernel before it and waits for it before its first memory access, so its launch
+  overlaps that kernel's last programs (a step of verify + commit is a chain of short launches at small batches;
+  docs/perf.md entry 57). Off in every default, like early_launch.
 """
 
 from __future__ import annotations
@@ -101,6 +105,7 @@ class KernelConfig:
     window_warps: int = 1  # replay verify with window_block_v: warps of the window launch (max_registers caps the other only)
     early_launch: bool = False  # replay decode and verify: the step's kernels launch early, each waiting for the kernel before (sm90+)
     prefetch_fold_keys: bool = False  # replay decode and verify: a folding program prefetches the ring's keys into L1 first (CUDA)
+    early_commit: bool = False  # replay verify: the commit after it launches early, waiting for the kernel before (sm90+)
 
     # window_block_v > 0 splits replay verify into two launches of its kernel: the checkpoint half (fold, state
     # store, the checkpoint read at every window token) over block_v value rows per program writes the readouts
@@ -112,7 +117,7 @@ class KernelConfig:
         return {**asdict(self), "route": self.route.value}
 
     def as_dict(self) -> dict[str, object]:
-        """The written form: every field; align_flushes, flush_groups, the window split, early_launch and prefetch_fold_keys only where they are set, so the
+        """The written form: every field; align_flushes, flush_groups, the window split, early_launch, prefetch_fold_keys and early_commit only where they are set, so the
         configs that do not use them (and the tuning records and module tables of every kind written before they existed) read as they did."""
         return {
             "block_v": self.block_v,
@@ -131,7 +136,8 @@ class KernelConfig:
             "overlap_scores": self.overlap_scores,
         } | ({"align_flushes": True} if self.align_flushes else {}) | ({"flush_groups": self.flush_groups} if self.flush_groups != 1 else {}) | (
             {"window_block_v": self.window_block_v, "window_warps": self.window_warps} if self.window_block_v else {}) | (
-            {"early_launch": True} if self.early_launch else {}) | ({"prefetch_fold_keys": True} if self.prefetch_fold_keys else {})
+            {"early_launch": True} if self.early_launch else {}) | ({"prefetch_fold_keys": True} if self.prefetch_fold_keys else {}) | (
+            {"early_commit": True} if self.early_commit else {})
 
 
 @dataclass(frozen=True)
@@ -209,6 +215,8 @@ def validate_config(kind: KernelKind, shape: TargetShape, config: KernelConfig) 
         raise UnsupportedShapeError(f"{kind.value}: early_launch applies to replay_decode and replay_verify only (the baselines launch as they always did)")
     if config.prefetch_fold_keys and kind not in (KernelKind.REPLAY_DECODE, KernelKind.REPLAY_VERIFY):
         raise UnsupportedShapeError(f"{kind.value}: prefetch_fold_keys applies to replay_decode and replay_verify only (no other kernel folds a ring)")
+    if config.early_commit and kind is not KernelKind.REPLAY_VERIFY:
+        raise UnsupportedShapeError(f"{kind.value}: early_commit applies to replay_verify only (it launches the commit that follows a verify of its bucket)")
     if config.max_registers and not 24 <= config.max_registers <= 255:
         raise UnsupportedShapeError(f"{kind.value}: max_registers={config.max_registers} must be 0 (no cap) or 24..255")
     if not 0 <= config.flush_at <= shape.capacity:

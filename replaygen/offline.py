@@ -356,6 +356,8 @@ def _compile(job: CompileJob) -> CompileReport:
     module._overlap_scores = lambda config, device: bool(config["overlap_scores"]) and arch.dependent_launch
     if hasattr(module, "_early_launch"):  # only where a bucket launches early (early_launch)
         module._early_launch = lambda config, device: bool(config.get("early_launch", False)) and arch.dependent_launch
+    if hasattr(module, "_early_commit"):  # only where a verify bucket launches its commit early (early_commit)
+        module._early_commit = lambda config, device: bool(config.get("early_commit", False)) and arch.dependent_launch
     if hasattr(module, "_prefetch_fold_keys"):  # only where a bucket prefetches its fold's keys (prefetch_fold_keys)
         module._prefetch_fold_keys = lambda config, device: bool(config.get("prefetch_fold_keys", False))
     failures = []

@@ -87,6 +87,7 @@ class ModulePlan:
     decode_prefetches_fold_keys: bool
     verify_prefetches_fold_keys: bool
     verify_flush_at: bool  # some replay verify bucket also folds at h >= flush_at: the verify kernel takes FLUSH_AT
+    verify_early_commit: bool  # some replay verify bucket launches its commit early: the commit kernel takes EARLY_WAIT
     # API
     step_inputs: tuple[TensorArg, ...]
     weights: tuple[TensorArg, ...]
@@ -160,6 +161,7 @@ def plan_module(
         decode_prefetches_fold_keys=any(b.config.prefetch_fold_keys for b in configs[KernelKind.REPLAY_DECODE]),
         verify_prefetches_fold_keys=any(b.config.prefetch_fold_keys for b in configs[KernelKind.REPLAY_VERIFY]),
         verify_flush_at=any(b.config.flush_at for b in configs[KernelKind.REPLAY_VERIFY]),
+        verify_early_commit=any(b.config.early_commit for b in configs[KernelKind.REPLAY_VERIFY]),
         step_inputs=step_inputs,
         weights=weights,
         buffers=_buffers(spec, shape),

@@ -140,6 +140,9 @@ def test_invalid_config_rejected_before_compile(mamba2):
     configs[KernelKind.COMMIT] = (BucketConfig(None, KernelConfig(block_v=16, early_launch=True)),)
     with pytest.raises(UnsupportedShapeError, match="commit: early_launch applies to replay_decode and replay_verify only"):
         plan_module(mamba2, shape, "h100", configs, "defaults")
+    configs[KernelKind.COMMIT] = (BucketConfig(None, KernelConfig(block_v=16, early_commit=True)),)
+    with pytest.raises(UnsupportedShapeError, match="commit: early_commit applies to replay_verify only"):
+        plan_module(mamba2, shape, "h100", configs, "defaults")
     configs[KernelKind.COMMIT] = default_configs(KernelKind.COMMIT, shape)
     configs[KernelKind.BASELINE_DECODE] = (BucketConfig(None, KernelConfig(block_v=16, prefetch_fold_keys=True)),)
     with pytest.raises(UnsupportedShapeError, match="baseline_decode: prefetch_fold_keys applies to replay_decode and replay_verify only"):

@@ -101,17 +101,17 @@ def compile_one(spec, shape, arch=SM90):
 def test_early_launch_compiles_for_the_h100(name):
     """Configs that launch early (early_launch): the scores, replay decode and replay verify kernels compiled for
     sm_90 with their wait for the kernel before them (griddepcontrol), launched as programmatic dependents, in one
-    launch and split, with and without overlapped scores."""
+    launch and split, with and without overlapped scores; the commit after a batch-1 verify too (early_commit)."""
     spec = SPECS[name]
     tables = module_defaults(spec, SMALL)
     decode = tables[KernelKind.REPLAY_DECODE][-1].config
     verify = tables[KernelKind.REPLAY_VERIFY][-1].config
     tables[KernelKind.REPLAY_DECODE] = (BucketConfig(1, replace(decode, early_launch=True, flush_at=1, align_flushes=False, flush_groups=1)), BucketConfig(None, replace(decode, early_launch=True, precompute_scores=True, overlap_scores=True)))
-    tables[KernelKind.REPLAY_VERIFY] = (BucketConfig(1, replace(verify, early_launch=True, precompute_scores=False, overlap_scores=False, window_block_v=0, window_warps=1)), BucketConfig(None, replace(verify, early_launch=True, precompute_scores=True, overlap_scores=True, window_block_v=8)))
+    tables[KernelKind.REPLAY_VERIFY] = (BucketConfig(1, replace(verify, early_launch=True, early_commit=True, precompute_scores=False, overlap_scores=False, window_block_v=0, window_warps=1)), BucketConfig(None, replace(verify, early_launch=True, precompute_scores=True, overlap_scores=True, window_block_v=8)))
     (report,) = compile_modules([compile_job(spec, SMALL, tables, SM90, "bfloat16")])
     assert_compiled(report)
     launched = {call for k in report.kernels for call in k.launched_by}
-    assert {"decode b1", "decode b2", "verify b1", "verify b2"} <= launched
+    assert {"decode b1", "decode b2", "verify b1", "verify b2", "commit b1"} <= launched
 
 
 @pytest.mark.parametrize("name", ["mamba2", "gdn"])

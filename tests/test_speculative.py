@@ -201,6 +201,34 @@ def test_verify_flush_at_folds_every_step(spec_file):
     assert "FLUSH_AT" in timed_verify(1) and "FLUSH_AT" not in timed_verify(0)
 
 
+@pytest.mark.parametrize("spec_file", ["mamba2.yaml", "gdn.yaml"])
+def test_early_commit_changes_no_result(spec_file):
+    """early_commit (the commit after a verify of that bucket launched as a programmatic dependent of the kernel before
+    it, waiting for it first; sm90+ only, so the interpreter runs it in stream order): verify + commit mixed with decode
+    steps against the reference, with the bucket that sets it and the one that does not. Only the commit kernel takes
+    it, and where no verify bucket sets it the module has no trace of it, so the records timed without it stay valid."""
+    spec = load_spec(ROOT / "specs" / spec_file)
+    shape = replace(SMALL, capacity=9, window=4)
+    early = KernelConfig(block_v=8, num_warps=1, route=Route.STATE_AND_OUTPUT, flush_at=1, early_commit=True)
+    tables = {KernelKind.REPLAY_VERIFY: (BucketConfig(2, early), BucketConfig(None, replace(early, early_commit=False)))}
+    module = load_kernels(spec, shape, tables)
+    assert not module._early_commit({"early_commit": True}, torch.device(DEVICE))
+    for batch in (2, 3):
+        report = check_speculative(module, spec, shape, device=DEVICE, tokens=4, mixed=True, steps=10, seed=80 + batch, batch=batch)
+        assert_passes(report, ("replay_verify", "replay_decode", "materialize"))
+
+    def timed_verify(config):
+        verify = (BucketConfig(None, config),)
+        source = render_module(plan_module(spec, shape, "any", module_defaults(spec, shape) | {KernelKind.REPLAY_VERIFY: verify}, "defaults"))
+        return reachable_source(source, TIMED_ENTRY_POINTS[KernelKind.REPLAY_VERIFY])
+
+    with_it, without = timed_verify(early), timed_verify(replace(early, early_commit=False))
+    assert "EARLY_WAIT" in with_it and "launch_pdl=early" in with_it
+    assert "EARLY_WAIT" not in without and "early_commit" not in without
+    kernel = with_it[with_it.index("def _replay_verify_kernel"):with_it.index("def _commit_kernel")]
+    assert kernel in without  # the verify kernel itself is the same text
+
+
 def test_bf16_activations(mamba2, kernels):
     assert_passes(check_speculative(kernels, mamba2, SPEC_SHAPE, device=DEVICE, act_dtype=torch.bfloat16, use_gate=False, steps=6, seed=10))
 

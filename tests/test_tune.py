@@ -95,6 +95,7 @@ def test_space_of_the_main_shape(mamba2):
         "window_warps": (1,),
         "early_launch": both,
         "prefetch_fold_keys": both,
+        "early_commit": (False,),
     }
     assert space.size == 4 * 4 * 2 * 2 * 16 * 2 * 2 * 2 * 4 * 2 * 2 * 2 * 2 * 3 * 2 * 2
     assert space.default == KernelConfig(  # the default's 0 written as L
@@ -104,12 +105,13 @@ def test_space_of_the_main_shape(mamba2):
     assert space.candidates()[0] == space.default
     assert derive_space(RD, shape, batch=1).default == KernelConfig(block_v=32, num_warps=4, flush_at=16)
     assert {p.name for p in derive_space(RD, shape, 128, channel_decay=True).free} == set(choices) - {"num_stages", "precompute_scores", "readout_dot", "overlap_scores",
-                                                                                                    "align_flushes", "flush_groups", "window_block_v", "window_warps"}
+                                                                                                    "align_flushes", "flush_groups", "window_block_v", "window_warps",
+                                                                                                    "early_commit"}
     baseline = derive_space(BD, shape, batch=8)
     assert [p.name for p in baseline.free] == ["block_v", "num_warps", "evict_state"]  # no loop, route, flush or register cap
     assert len(baseline.candidates()) == 30  # 32 points, block_v=64 on one warp spills
     verify = {"block_v", "num_warps", "max_registers", "route", "flush_at", "prefetch_ring", "fold_chunk", "fold_dot", "precompute_scores", "readout_dot",
-              "evict_state", "overlap_scores", "window_block_v", "window_warps", "early_launch", "prefetch_fold_keys"}
+              "evict_state", "overlap_scores", "window_block_v", "window_warps", "early_launch", "prefetch_fold_keys", "early_commit"}
     assert {p.name for p in derive_space(RV, shape, 8).free} == verify
     assert dict((p.name, p.choices) for p in derive_space(RV, shape, 8).parameters)["window_block_v"] == (0, 16, 32, 64)
     assert dict((p.name, p.choices) for p in derive_space(RV, shape, 8).parameters)["flush_at"] == (0, 1)  # the flush rule alone, or every step

@@ -266,6 +266,7 @@ def config_from_dict(raw: dict) -> KernelConfig:
         window_warps=_int(raw.get("window_warps", default.window_warps)),
         early_launch=_bool(raw.get("early_launch", default.early_launch)),
         prefetch_fold_keys=_bool(raw.get("prefetch_fold_keys", default.prefetch_fold_keys)),
+        early_commit=_bool(raw.get("early_commit", default.early_commit)),
     )
 
 

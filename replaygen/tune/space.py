@@ -35,6 +35,8 @@ templates read (nothing else is invented):
     early_launch      replay kernels: the step's kernels launch as programmatic dependents of the kernel before
                       them, each waiting for it before its first memory access (compute capability 9.0)
     prefetch_fold_keys replay kernels: a program that folds its buffer prefetches the ring's keys into L1 first
+    early_commit      replay_verify only: the commit after the verify launches as a programmatic dependent of the
+                      kernel before it, waiting for it first (compute capability 9.0)
 
 num_stages stays 1: no kernel has a loop whose loads Triton's pipeliner could prefetch (the fold's loads are
 unrolled by fold_chunk instead).
@@ -263,6 +265,7 @@ def derive_space(kind: KernelKind, shape: TargetShape, batch: int, channel_decay
         Parameter("window_warps", NUM_WARPS if verify and not channel_decay else (1,), Scale.LOG2),
         Parameter("early_launch", both if replay else (False,), Scale.CATEGORICAL),
         Parameter("prefetch_fold_keys", both if replay else (False,), Scale.CATEGORICAL),
+        Parameter("early_commit", both if verify else (False,), Scale.CATEGORICAL),
     )
     return SearchSpace(kind=kind, shape=shape, parameters=parameters, default=default_config(kind, shape, batch, channel_decay, delta_rule))
 
