@@ -29,6 +29,13 @@ def assert_passes(report, kernels=("replay_verify", "materialize")):
     assert set(kernels) <= set(report.worst), report.worst
 
 
+def timed_verify_source(spec, shape, config):
+    """The code a replay verify trial of `config` times (what its record's source hash covers)."""
+    verify = (BucketConfig(None, config),)
+    source = render_module(plan_module(spec, shape, "any", module_defaults(spec, shape) | {KernelKind.REPLAY_VERIFY: verify}, "defaults"))
+    return reachable_source(source, TIMED_ENTRY_POINTS[KernelKind.REPLAY_VERIFY])
+
+
 @pytest.mark.parametrize("tokens", [1, 2, 4])
 def test_random_acceptance_against_reference_and_baseline(mamba2, kernels, tokens):
     report = check_speculative(kernels, mamba2, SPEC_SHAPE, device=DEVICE, tokens=tokens, steps=10, seed=tokens)
@@ -193,12 +200,8 @@ def test_verify_flush_at_folds_every_step(spec_file):
         counts = state.cursor[..., 1][slots[:2].long()]
         assert (counts == torch.tensor(accepted[:2], device=DEVICE).view(2, 1, 1)).all()  # the previous window's entries were folded
 
-    def timed_verify(flush_at):
-        verify = (BucketConfig(None, replace(split, flush_at=flush_at)),)
-        source = render_module(plan_module(spec, shape, "any", module_defaults(spec, shape) | {KernelKind.REPLAY_VERIFY: verify}, "defaults"))
-        return reachable_source(source, TIMED_ENTRY_POINTS[KernelKind.REPLAY_VERIFY])
-
-    assert "FLUSH_AT" in timed_verify(1) and "FLUSH_AT" not in timed_verify(0)
+    assert "FLUSH_AT" in timed_verify_source(spec, shape, split)
+    assert "FLUSH_AT" not in timed_verify_source(spec, shape, replace(split, flush_at=0))
 
 
 @pytest.mark.parametrize("spec_file", ["mamba2.yaml", "gdn.yaml"])
@@ -217,12 +220,7 @@ def test_early_commit_changes_no_result(spec_file):
         report = check_speculative(module, spec, shape, device=DEVICE, tokens=4, mixed=True, steps=10, seed=80 + batch, batch=batch)
         assert_passes(report, ("replay_verify", "replay_decode", "materialize"))
 
-    def timed_verify(config):
-        verify = (BucketConfig(None, config),)
-        source = render_module(plan_module(spec, shape, "any", module_defaults(spec, shape) | {KernelKind.REPLAY_VERIFY: verify}, "defaults"))
-        return reachable_source(source, TIMED_ENTRY_POINTS[KernelKind.REPLAY_VERIFY])
-
-    with_it, without = timed_verify(early), timed_verify(replace(early, early_commit=False))
+    with_it, without = timed_verify_source(spec, shape, early), timed_verify_source(spec, shape, replace(early, early_commit=False))
     assert "EARLY_WAIT" in with_it and "launch_pdl=early" in with_it
     assert "EARLY_WAIT" not in without and "early_commit" not in without
     kernel = with_it[with_it.index("def _replay_verify_kernel"):with_it.index("def _commit_kernel")]
