@@ -351,6 +351,7 @@
 #     1,
 #     {
 #      "block_v": 8,
+#      "early_commit": true,
 #      "early_launch": true,
 #      "evict_state": true,
 #      "flush_at": 0,
@@ -371,6 +372,7 @@
 #     8,
 #     {
 #      "block_v": 8,
+#      "early_commit": true,
 #      "early_launch": true,
 #      "evict_state": true,
 #      "flush_at": 0,
@@ -560,8 +562,8 @@ _LOAD_CONFIGS = (
     (None, {'block_v': 16, 'num_warps': 4, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': False, 'overlap_scores': False}),
 )
 _REPLAY_VERIFY_CONFIGS = (
-    (1, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True, 'early_launch': True}),
-    (8, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': False, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True, 'early_launch': True}),
+    (1, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True, 'early_launch': True, 'early_commit': True}),
+    (8, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': False, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True, 'early_launch': True, 'early_commit': True}),
     (32, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 8, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 128, 'evict_state': True, 'overlap_scores': True, 'early_launch': True}),
     (128, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 128, 'evict_state': True, 'overlap_scores': True}),
     (256, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 8, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 128, 'evict_state': True, 'overlap_scores': True, 'early_launch': True}),
@@ -1367,11 +1369,15 @@ def _commit_kernel(
     NUM_TOKENS: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    EARLY_WAIT: tl.constexpr,
 ):
     """Keep the first accepted[b] window tokens of each sequence: a cursor move, nothing copied. One program per
     (BLOCK_V value rows, batch row) covers every head: each of its cursor copies gains accepted[b] entries (the
     copies of a slot are identical, so each is moved by itself; one program per head cost 21 us a verify step at
-    Mamba-2 batch 256)."""
+    Mamba-2 batch 256). EARLY_WAIT: launched as a programmatic dependent of the kernel before it
+    (early_commit), it waits for that kernel before its first memory access."""
+    if EARLY_WAIT:
+        gdc_wait()
     i_v = tl.program_id(0)
     i_b = tl.program_id(1)
     i_slot = tl.load(slots_ptr + i_b)
@@ -1565,6 +1571,18 @@ def _early_launch(config, device):
     scores kernel instead (overlap_scores), which has waited first. Needs griddepcontrol (compute capability 9.0 and
     newer); elsewhere the kernels run in stream order."""
     if not config.get("early_launch", False) or device.type != "cuda":
+        return False
+    if device not in _dependent_launch:
+        _dependent_launch[device] = torch.cuda.get_device_capability(device)[0] >= 9
+    return _dependent_launch[device]
+
+
+def _early_commit(config, device):
+    """Whether the commit after a verify of a config's bucket launches early (early_commit): as a programmatic
+    dependent of the kernel before it, waiting for that kernel before its first memory access (EARLY_WAIT), so its
+    launch overlaps that kernel's last programs. Needs griddepcontrol (compute capability 9.0 and newer); elsewhere
+    it runs in stream order."""
+    if not config.get("early_commit", False) or device.type != "cuda":
         return False
     if device not in _dependent_launch:
         _dependent_launch[device] = torch.cuda.get_device_capability(device)[0] >= 9
@@ -1900,10 +1918,11 @@ def commit(state, slots, accepted, num_tokens=None, validate=False):
     if batch == 0:
         return
     config = _pick(_COMMIT_CONFIGS, batch)
+    early = _early_commit(_pick(_REPLAY_VERIFY_CONFIGS, batch), state.device)
     grid = (triton.cdiv(_VALUE_DIM, config["block_v"]), batch)
     _commit_kernel[grid](
         slots, state.cursor, accepted, NUM_TOKENS=num_tokens,
-        BLOCK_V=config["block_v"], BLOCK_H=triton.next_power_of_2(_HEADS), **_options(config),
+        BLOCK_V=config["block_v"], BLOCK_H=triton.next_power_of_2(_HEADS), **_options(config), EARLY_WAIT=early, launch_pdl=early,
     )
 
 
