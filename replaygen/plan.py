@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from replaygen.configs import MIN_DOT, BucketConfig, KernelConfig, KernelKind, validate_config
+from replaygen.configs import FLUSH_NUM_WARPS, MIN_DOT, BucketConfig, KernelConfig, KernelKind, validate_config
 from replaygen.errors import UnsupportedShapeError
 from replaygen.spec.model import (
     CacheField,
@@ -81,6 +81,14 @@ class ModulePlan:
     # then folds them with the cursor it read and moves the cursor after a barrier (no warp reads it after another
     # warp wrote it); one-warp programs keep the fold's own cursor read and write, so their records stay valid
     decode_multi_warp: bool
+    # a barrier before the stores of a program that read its cursor with several warps (no warp that falls behind
+    # reads a cursor another warp of its program moved): some replay decode bucket buffers (flush_at != 1) with
+    # several warps; some decode bucket flushes in its own launch (FLUSH_NUM_WARPS warps); some replay verify bucket
+    # runs several warps (num_warps, or window_warps in the split's window half). Flags, not per-config code, so the
+    # one-warp configs' records keep their source hashes
+    decode_buffers_multi_warp: bool
+    separate_flush: bool
+    verify_multi_warp: bool
     early_launch: bool  # some replay decode or verify bucket launches early: the kernels take EARLY_WAIT (KernelConfig.early_launch)
     # some bucket of the kind prefetches its fold's keys: that kind's kernel takes PREFETCH_FOLD_KEYS (KernelConfig.prefetch_fold_keys);
     # per kind, so one kind's buckets never change the other kind's kernel text (and its records' source hashes)
@@ -157,6 +165,9 @@ def plan_module(
         flags=optional_input_flags(spec),
         fold_leftovers_in_memory=leftovers_in_memory(spec),
         decode_multi_warp=any(b.config.num_warps > 1 for b in configs[KernelKind.REPLAY_DECODE]),
+        decode_buffers_multi_warp=any(b.config.num_warps > 1 and b.config.flush_at != 1 for b in configs[KernelKind.REPLAY_DECODE]),
+        separate_flush=FLUSH_NUM_WARPS > 1 and any(not b.config.fused_flush for b in configs[KernelKind.REPLAY_DECODE]),
+        verify_multi_warp=any(max(b.config.num_warps, b.config.window_warps) > 1 for b in configs[KernelKind.REPLAY_VERIFY]),
         early_launch=any(b.config.early_launch for kind in (KernelKind.REPLAY_DECODE, KernelKind.REPLAY_VERIFY) for b in configs[kind]),
         decode_prefetches_fold_keys=any(b.config.prefetch_fold_keys for b in configs[KernelKind.REPLAY_DECODE]),
         verify_prefetches_fold_keys=any(b.config.prefetch_fold_keys for b in configs[KernelKind.REPLAY_VERIFY]),

@@ -347,3 +347,45 @@ def test_multi_warp_leftover_fold_takes_the_steps_cursor(spec_file):
     multi, single = (render_module(plan_module(spec, shape, "any", tables(warps), "defaults")) for warps in (4, 1))
     assert "i_h, i_b, start, count, slots_ptr, ckpt_ptr" in multi and "cursor_ptr, ckpt_ptr" not in multi.split("def _replay_decode_kernel")[0]
     assert "i_h, i_b, slots_ptr, cursor_ptr, ckpt_ptr" in single and "start, count, slots_ptr" not in single
+
+
+def _barrier_before_cursor_stores(source: str, kernel: str) -> list[bool]:
+    """Per cursor store of `kernel` in a rendered module: whether a barrier at its indentation comes right before it
+    (other stores and blank lines in between)."""
+    body = source.split(f"def {kernel}(")[1].split("\n@triton.jit")[0].splitlines()
+    found = []
+    for i, line in enumerate(body):
+        if line.strip().startswith("tl.store(p_cursor,"):
+            before = next(other for other in reversed(body[:i]) if other.strip() and not other.strip().startswith("tl.store("))
+            found.append(before == line[: len(line) - len(line.lstrip())] + "tl.debug_barrier()")
+    assert found, f"{kernel} stores no cursor"
+    return found
+
+
+@pytest.mark.parametrize("spec_file", ["mamba2.yaml", "gdn.yaml"])
+@pytest.mark.parametrize("fused_flush", [True, False])
+def test_multi_warp_programs_pass_a_barrier_before_moving_their_cursor(spec_file, fused_flush):
+    """Every thread of a program reads its cursor (a scalar), a few store it: with several warps, a warp that falls
+    behind could read the cursor another warp already moved and take the wrong entries. Where some bucket buffers in a
+    multi-warp decode program, runs a multi-warp verify (either launch of the split) or flushes in its own launch
+    (four warps), that kernel passes a barrier before it stores its cursor; the mixed schedule of decode and verify
+    steps runs such configs against the reference. One-warp decode and verify configs render no barrier, so their
+    records keep their source hashes."""
+    spec = load_spec(ROOT / "specs" / spec_file)
+    shape = replace(SMALL, capacity=9, window=2)
+    decode = KernelConfig(block_v=8, num_warps=4, flush_at=4, fused_flush=fused_flush)
+    verify = KernelConfig(block_v=8, num_warps=2, precompute_scores=True, window_block_v=8, window_warps=2)
+
+    def tables(warps):
+        return module_defaults(spec, shape) | {
+            KernelKind.REPLAY_DECODE: (BucketConfig(None, replace(decode, num_warps=warps)),),
+            KernelKind.REPLAY_VERIFY: (BucketConfig(None, replace(verify, num_warps=warps, window_warps=warps)),),
+        }
+
+    module = load_kernels(spec, shape, tables(4))
+    assert_passes(check_speculative(module, spec, shape, device=DEVICE, tokens=2, mixed=True, steps=12, seed=61), ("replay_verify", "replay_decode", "materialize"))
+    multi, single = (render_module(plan_module(spec, shape, "any", tables(warps), "defaults")) for warps in (4, 1))
+    kernels = ["_replay_decode_kernel", "_replay_verify_kernel"] + ([] if fused_flush else ["_flush_kernel"])
+    assert all(all(_barrier_before_cursor_stores(multi, kernel)) for kernel in kernels)
+    assert not any(any(_barrier_before_cursor_stores(single, kernel)) for kernel in ("_replay_decode_kernel", "_replay_verify_kernel"))
+    assert all(_barrier_before_cursor_stores(single, "_flush_kernel")) is not fused_flush  # the flush launch runs four warps
