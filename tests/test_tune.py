@@ -17,7 +17,7 @@ import triton
 from replaygen import __version__, measure
 from replaygen.build import build_spec
 from replaygen.cli import main
-from replaygen.configs import KernelConfig, KernelKind, Route, bucket_range, bucket_variants
+from replaygen.configs import KernelConfig, KernelKind, Route, bucket_range, bucket_variants, module_defaults
 from replaygen.errors import TuningRecordError, UnsupportedShapeError
 from replaygen.measure import Timing
 from replaygen.offline import architecture
@@ -478,7 +478,8 @@ def test_mismatched_records_are_never_applied_silently(mamba2, tmp_path, monkeyp
 
 def test_batch_sizes_whose_trials_all_went_stale_stop_the_build(mamba2, tmp_path):
     """A kernel re-timed at some batch sizes only (e.g. `tune --recorded` on a few buckets after a kernel change) must not
-    let its other tuned sizes silently run a neighbouring bucket's config."""
+    let its other tuned sizes silently run a neighbouring bucket's config; --allow-default builds them with the
+    documented default at their size (a neighbour's winner was chosen for another size)."""
     shape = mamba2.shape("nemotron-h")
     small, large = KernelConfig(block_v=16, num_warps=8, flush_at=1), KernelConfig(block_v=32, num_warps=1, flush_at=16)
     earlier = trial(mamba2, shape, RD, large, 512, 0.8)
@@ -488,8 +489,9 @@ def test_batch_sizes_whose_trials_all_went_stale_stop_the_build(mamba2, tmp_path
     with pytest.raises(TuningRecordError, match=r"(?s)no trial applies any more: replay_decode at batch 512 .*--kernels replay_decode --batch 512 --recorded 3"):
         resolve_configs(mamba2, shape, "h100", tune_dir)
     allowed = resolve_configs(mamba2, shape, "h100", tune_dir, allow_default=True)
-    assert allowed.configs[RD] == (rec.BucketConfig(None, small),)
-    assert any("replay_decode at batch 512: a neighbouring tuned bucket's config (--allow-default)" in n for n in allowed.notes)
+    default_large = module_defaults(mamba2, shape)[RD][-1].config
+    assert allowed.configs[RD][0] == rec.BucketConfig(1, small) and allowed.configs[RD][-1] == rec.BucketConfig(None, default_large)
+    assert any("replay_decode at batch 512: the documented default at that size (--allow-default)" in n for n in allowed.notes)
 
 
 def test_a_kernel_tuned_short_of_the_others_stops_the_build(mamba2, tmp_path):

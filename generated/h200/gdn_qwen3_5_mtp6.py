@@ -444,7 +444,7 @@
 #     }
 #    ],
 #    [
-#     null,
+#     32,
 #     {
 #      "block_v": 16,
 #      "evict_state": true,
@@ -458,6 +458,27 @@
 #      "overlap_scores": true,
 #      "precompute_scores": true,
 #      "prefetch_ring": true,
+#      "readout_dot": false,
+#      "route": "output_only",
+#      "window_block_v": 64,
+#      "window_warps": 1
+#     }
+#    ],
+#    [
+#     null,
+#     {
+#      "block_v": 16,
+#      "evict_state": true,
+#      "flush_at": 0,
+#      "fold_chunk": 2,
+#      "fold_dot": false,
+#      "fused_flush": true,
+#      "max_registers": 0,
+#      "num_stages": 1,
+#      "num_warps": 1,
+#      "overlap_scores": true,
+#      "precompute_scores": true,
+#      "prefetch_ring": false,
 #      "readout_dot": false,
 #      "route": "output_only",
 #      "window_block_v": 64,
@@ -568,7 +589,8 @@ _REPLAY_VERIFY_CONFIGS = (
     (2, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'state_and_output', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True}),
     (4, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True, 'early_launch': True}),
     (8, {'block_v': 32, 'num_warps': 1, 'num_stages': 1, 'route': 'state_and_output', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
-    (None, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 128, 'evict_state': True, 'overlap_scores': True, 'window_block_v': 64, 'window_warps': 1}),
+    (32, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 128, 'evict_state': True, 'overlap_scores': True, 'window_block_v': 64, 'window_warps': 1}),
+    (None, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': False, 'fold_chunk': 2, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True, 'window_block_v': 64, 'window_warps': 1}),
 )
 _COMMIT_CONFIGS = (
     (None, {'block_v': 128, 'num_warps': 4, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': False, 'overlap_scores': False}),

@@ -14,7 +14,8 @@ becomes the upper edge of a bucket (the largest tuned one is open-ended); neighb
 with one winner merge. Kernels the file never tuned (materialize, load and commit always) keep
 their documented defaults, and the build says so; a kernel whose trials all fail to apply
 needs --allow-default, and so does one with winners at some tuned batch sizes and none at others
-(those would run a neighbouring bucket's config), and one whose largest tuned batch size is below a size the
+(those would run a neighbouring bucket's config; with it they run the documented default at their size, which was
+chosen for that size), and one whose largest tuned batch size is below a size the
 file tuned another kernel at (a tune cut short: its open-ended bucket would stretch a small batch's winner
 over the large batches).
 """
@@ -155,7 +156,8 @@ def resolve_configs(
         for (reason, detail), count in sorted(pick.accepted.items(), key=lambda item: item[0][0].name):
             notes.append(f"{kind.value}: {count} winner(s) applied although {reason.value} ({detail}; --accept-env-mismatch)")
         if pick.winners:
-            configs[kind] = dispatch_table({batch: t.config for batch, t in pick.winners.items()})
+            fallback = {batch: default_at(defaults[kind], batch) for batch in pick.uncovered} if allow_default else {}
+            configs[kind] = dispatch_table({batch: t.config for batch, t in pick.winners.items()} | fallback)
             buckets = ", ".join(f"b{batch}: {t.value:.4f} ms" for batch, t in sorted(pick.winners.items()))
             notes.append(f"{kind.value}: tuned ({buckets})")
             if pick.uncovered:
@@ -186,9 +188,9 @@ def resolve_configs(
                 f"neighbouring bucket's config):\n  " + "\n  ".join(notes)
                 + f"\ntime their recorded winners again with `replaygen tune {spec.source_file} --shape {shape.name} --kernels "
                 f"{','.join(kind.value for kind, _ in partial)} --batch {','.join(map(str, sorted({b for _, batches in partial for b in batches})))} "
-                "--recorded 3` on that GPU, or pass --allow-default to build them with a neighbouring tuned bucket's config"
+                "--recorded 3` on that GPU, or pass --allow-default to build them with the documented defaults at those sizes"
             )
-        notes += [f"{line}: a neighbouring tuned bucket's config (--allow-default)" for line in lines]
+        notes += [f"{line}: the documented default at that size (--allow-default)" for line in lines]
     if short:
         lines = [f"{kind.value} up to batch {largest}, not at {', '.join(map(str, beyond))}" for kind, largest, beyond in short]
         if not allow_default:
@@ -273,6 +275,11 @@ def _source_now(target: BuildTarget, kind: KernelKind, config: KernelConfig) -> 
         return render_candidate(target.spec, target.shape, kind, config).key.source_sha256, ""
     except UnsupportedShapeError as exc:
         return None, str(exc)
+
+
+def default_at(table: tuple[BucketConfig, ...], batch: int) -> KernelConfig:
+    """The config a dispatch table runs at `batch`."""
+    return next(b.config for b in table if b.max_batch is None or batch <= b.max_batch)
 
 
 def dispatch_table(winners: dict[int, KernelConfig]) -> tuple[BucketConfig, ...]:
