@@ -6,6 +6,7 @@ import os
 import shutil
 import types
 import uuid
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from replaygen.offline import architecture
 from replaygen.runtime import load_kernels
 from replaygen.spec import load_spec_text
 from replaygen.tune import records as rec
-from replaygen.tune.apply import dispatch_table, resolve_configs
+from replaygen.tune.apply import Mismatch, dispatch_table, resolve_configs, skipped_lines
 from replaygen.tune.objective import CheckResult, Evaluator, ReferenceChecker, TuneAborted, WorkloadTimer
 from replaygen.tune.records import Environment, RecordStore, TrialRecord, TrialStatus, TrialTiming, append_trials, latest_trials, read_records, record_path, render_candidate
 from replaygen.tune.report import format_summary, summary_rows
@@ -1084,3 +1085,14 @@ def test_kinds_with_the_same_module_are_measured_separately(mamba2, tmp_path):
     assert [(t.key.kind, t.config) for t in store.trials][:1] == [(BD, default)]
     assert (BV, default) in [(t.key.kind, t.config) for t in store.trials]
     assert [c for c, _ in fake.timed].count(default) == 2
+
+
+def test_trials_left_out_are_summed_per_reason():
+    """The build names the trials it leaves out in one line per reason (a record keeps every earlier code version's
+    trials), with the count of all of them and the distinct details."""
+    skipped = Counter({(Mismatch.SOURCE, "source sha256 b then, c now"): 2, (Mismatch.SOURCE, "source sha256 a then, c now"): 1, (Mismatch.GPU, "tuned for 'h200'"): 3})
+    lines = skipped_lines(skipped, Path("tune/h100/x.json"))
+    assert lines == [
+        "3 trial(s) in tune/h100/x.json not applied: GPU differs (tuned for 'h200')",
+        f"3 trial(s) in tune/h100/x.json not applied: {Mismatch.SOURCE.value} (2 distinct, e.g. source sha256 a then, c now)",
+    ]

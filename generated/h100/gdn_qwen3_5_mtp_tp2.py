@@ -472,27 +472,6 @@
 #     }
 #    ],
 #    [
-#     256,
-#     {
-#      "block_v": 16,
-#      "evict_state": true,
-#      "flush_at": 0,
-#      "fold_chunk": 2,
-#      "fold_dot": false,
-#      "fused_flush": true,
-#      "max_registers": 0,
-#      "num_stages": 1,
-#      "num_warps": 1,
-#      "overlap_scores": true,
-#      "precompute_scores": true,
-#      "prefetch_ring": false,
-#      "readout_dot": false,
-#      "route": "output_only",
-#      "window_block_v": 64,
-#      "window_warps": 1
-#     }
-#    ],
-#    [
 #     null,
 #     {
 #      "block_v": 16,
@@ -620,7 +599,6 @@ _REPLAY_VERIFY_CONFIGS = (
     (8, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True, 'early_launch': True, 'early_commit': True}),
     (32, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 128, 'evict_state': True, 'overlap_scores': True, 'window_block_v': 128, 'window_warps': 2, 'early_launch': True}),
     (128, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': False, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 128, 'evict_state': True, 'overlap_scores': True, 'window_block_v': 128, 'window_warps': 2, 'early_launch': True}),
-    (256, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': False, 'fold_chunk': 2, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True, 'window_block_v': 64, 'window_warps': 1}),
     (None, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': False, 'fold_chunk': 2, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True, 'window_block_v': 128, 'window_warps': 4, 'early_launch': True, 'prefetch_fold_keys': True}),
 )
 _COMMIT_CONFIGS = (

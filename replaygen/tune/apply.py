@@ -149,8 +149,7 @@ def resolve_configs(
     picks = {kind: _pick(records, kind, target, accept_env_mismatch, spread_flushes, flush_groups) for kind in TUNABLE_KINDS}
     tuned_anywhere = set().union(*(pick.tuned for pick in picks.values()))
     for kind, pick in picks.items():
-        for (reason, detail), count in sorted(pick.skipped.items(), key=lambda item: item[0][0].name):
-            notes.append(f"{kind.value}: {count} trial(s) in {path} not applied: {reason.value} ({detail})")
+        notes += [f"{kind.value}: {line}" for line in skipped_lines(pick.skipped, path)]
         if pick.aligned_left_out:
             notes.append(f"{kind.value}: {pick.aligned_left_out} trial(s) with align_flushes left out (--spread-flushes)")
         for (reason, detail), count in sorted(pick.accepted.items(), key=lambda item: item[0][0].name):
@@ -206,6 +205,18 @@ def resolve_configs(
     source = label + (f"; defaults for {', '.join(sorted(defaulted))}" if defaulted else "") + ("; flushes spread (no align_flushes)" if spread_flushes else "")
     source += f"; aligned flushes in {flush_groups} groups" if regrouped and flush_groups > 1 else ""
     return Resolved(configs=configs, source=source, notes=tuple(notes))
+
+
+def skipped_lines(skipped: Counter, path: Path) -> list[str]:
+    """One line per reason for the trials left out ((reason, detail) -> trials): the count, and the detail, or how
+    many distinct ones there are and the first (a record keeps every trial of earlier code as history)."""
+    lines = []
+    for reason in sorted({reason for reason, _ in skipped}, key=lambda r: r.name):
+        details = sorted(detail for r, detail in skipped if r is reason)
+        count = sum(n for (r, _), n in skipped.items() if r is reason)
+        detail = details[0] if len(details) == 1 else f"{len(details)} distinct, e.g. {details[0]}"
+        lines.append(f"{count} trial(s) in {path} not applied: {reason.value} ({detail})")
+    return lines
 
 
 def _group_flushes(table: tuple[BucketConfig, ...], shape: TargetShape, groups: int) -> tuple[tuple[BucketConfig, ...], bool]:
