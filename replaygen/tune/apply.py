@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from replaygen import __version__
-from replaygen.configs import DEFAULT_FLUSH_GROUPS, BucketConfig, KernelConfig, KernelKind, module_defaults
+from replaygen.configs import DEFAULT_FLUSH_GROUPS, BucketConfig, KernelConfig, KernelKind, bucket_config, module_defaults
 from replaygen.errors import ReplaygenError, TuningRecordError, UnsupportedShapeError
 from replaygen.spec.model import Spec, TargetShape
 from replaygen.tune.records import RecordFile, TrialRecord, TrialStatus, latest_trials, read_records, record_path, render_candidate, shape_sha256, spec_content_sha256, speed_rank
@@ -155,7 +155,7 @@ def resolve_configs(
         for (reason, detail), count in sorted(pick.accepted.items(), key=lambda item: item[0][0].name):
             notes.append(f"{kind.value}: {count} winner(s) applied although {reason.value} ({detail}; --accept-env-mismatch)")
         if pick.winners:
-            fallback = {batch: default_at(defaults[kind], batch) for batch in pick.uncovered} if allow_default else {}
+            fallback = {batch: bucket_config(defaults[kind], batch) for batch in pick.uncovered} if allow_default else {}
             configs[kind] = dispatch_table({batch: t.config for batch, t in pick.winners.items()} | fallback)
             buckets = ", ".join(f"b{batch}: {t.value:.4f} ms" for batch, t in sorted(pick.winners.items()))
             notes.append(f"{kind.value}: tuned ({buckets})")
@@ -286,11 +286,6 @@ def _source_now(target: BuildTarget, kind: KernelKind, config: KernelConfig) -> 
         return render_candidate(target.spec, target.shape, kind, config).key.source_sha256, ""
     except UnsupportedShapeError as exc:
         return None, str(exc)
-
-
-def default_at(table: tuple[BucketConfig, ...], batch: int) -> KernelConfig:
-    """The config a dispatch table runs at `batch`."""
-    return next(b.config for b in table if b.max_batch is None or batch <= b.max_batch)
 
 
 def dispatch_table(winners: dict[int, KernelConfig]) -> tuple[BucketConfig, ...]:
