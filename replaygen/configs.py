@@ -77,6 +77,12 @@ FLUSH_PROGRAMS_PER_SM = 4
 # Value rows per cursor copy; block_v must be a multiple (each program owns whole copies).
 CURSOR_GRAIN = 8
 
+# Kernel kinds whose programs load a state tile and store to the same state memory (the checkpoint, or a slot's
+# snapshots). A tile of fewer elements than the program's threads is replicated across its warps by Triton's layout
+# (each copy loaded, one stored); a warp that loaded late could then read what another warp already stored and pass
+# it on through a cross-warp reduction, so validate_config rejects such configs instead.
+STATE_TILE_KINDS = (KernelKind.BASELINE_DECODE, KernelKind.REPLAY_DECODE, KernelKind.REPLAY_VERIFY, KernelKind.BASELINE_VERIFY)
+
 # Batch sizes `tune` and `bench` use by default: the upper edges of the dispatch buckets. Serving engines capture
 # one CUDA graph per padded batch size (1, 2, 4, 8, then steps of 8 or more), so the small sizes get buckets of
 # their own: a config tuned at 8 also runs batches 2-7 otherwise, and a winner at 8 can lose at 2 (docs/perf.md 20).
@@ -180,6 +186,12 @@ def validate_config(kind: KernelKind, shape: TargetShape, config: KernelConfig) 
         raise UnsupportedShapeError(f"{kind.value}: block_v={config.block_v} exceeds value_dim={shape.value_dim} rounded up")
     if config.num_warps not in (1, 2, 4, 8, 16):
         raise UnsupportedShapeError(f"{kind.value}: num_warps={config.num_warps} must be 1, 2, 4, 8 or 16")
+    if kind in STATE_TILE_KINDS and config.num_warps > max_state_warps(shape, config.block_v):
+        raise UnsupportedShapeError(
+            f"{kind.value}: num_warps={config.num_warps} is {32 * config.num_warps} threads for a state tile of"
+            f" {config.block_v * _next_pow2(shape.key_dim)} elements (block_v={config.block_v} x key_dim={shape.key_dim} rounded up),"
+            f" so its warps would hold the same state elements; at most {max_state_warps(shape, config.block_v)} warp(s) here"
+        )
     if not 1 <= config.num_stages <= 4:
         raise UnsupportedShapeError(f"{kind.value}: num_stages={config.num_stages} must be 1..4")
     if config.fold_chunk not in (1, 2, 4, 8):
@@ -225,6 +237,12 @@ def validate_config(kind: KernelKind, shape: TargetShape, config: KernelConfig) 
         raise UnsupportedShapeError(f"{kind.value}: flush_at applies to replay_decode and replay_verify only (no other kernel flushes a buffer)")
 
 
+def max_state_warps(shape: TargetShape, block_v: int) -> int:
+    """The most warps a program over `block_v` value rows of the state may run without replicating its state tile
+    [block_v, key_dim rounded up to a power of two] across warps (STATE_TILE_KINDS; at least 1)."""
+    return max(1, block_v * _next_pow2(shape.key_dim) // 32)
+
+
 def default_configs(kind: KernelKind, shape: TargetShape, *, channel_decay: bool = False, delta_rule: bool = False) -> tuple[BucketConfig, ...]:
     """Hand-picked defaults for one kernel kind (used when no tuning record is applied; `channel_decay`: the spec
     decays per channel, so the scores cannot be precomputed once per key head; `delta_rule`: the spec's update is the
@@ -245,12 +263,14 @@ def default_configs(kind: KernelKind, shape: TargetShape, *, channel_decay: bool
       bucket's winner from batch 32, where the up-to-batch-8 config was up to 32% (GDN) and 30% (Mamba-2) slower
       (docs/perf.md entry 38).
     - the others: 16 value rows, 4 warps (the baseline streams the state at the copy bandwidth so).
+    Where the state tile is smaller than 4 warps' threads (key_dim below 8), the 4-warp defaults take fewer warps
+    (max_state_warps).
     """
     cap = max(16, _next_pow2(shape.value_dim))
     scores = not channel_decay
     if kind is KernelKind.REPLAY_DECODE:
         return (
-            BucketConfig(8, KernelConfig(block_v=min(32, cap), num_warps=4)),
+            BucketConfig(8, KernelConfig(block_v=min(32, cap), num_warps=min(4, max_state_warps(shape, min(32, cap))))),
             BucketConfig(
                 None,
                 KernelConfig(
@@ -271,7 +291,7 @@ def default_configs(kind: KernelKind, shape: TargetShape, *, channel_decay: bool
         return (single, BucketConfig(8, small), BucketConfig(None, large))
     if kind is KernelKind.COMMIT:
         return (BucketConfig(None, KernelConfig(block_v=max(CURSOR_GRAIN, _next_pow2(shape.value_dim)), num_warps=4)),)
-    return (BucketConfig(None, KernelConfig(block_v=16, num_warps=4)),)
+    return (BucketConfig(None, KernelConfig(block_v=16, num_warps=min(4, max_state_warps(shape, 16)))),)
 
 
 def module_defaults(spec: Spec, shape: TargetShape) -> dict[KernelKind, tuple[BucketConfig, ...]]:

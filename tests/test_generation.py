@@ -8,7 +8,7 @@ import pytest
 
 from replaygen.build import build_spec
 from replaygen.codegen import reachable_source, render_module, template_hash
-from replaygen.configs import BATCH_BUCKETS, BucketConfig, KernelConfig, KernelKind, bucket_config, default_configs, module_defaults
+from replaygen.configs import BATCH_BUCKETS, STATE_TILE_KINDS, BucketConfig, KernelConfig, KernelKind, bucket_config, default_configs, module_defaults
 from replaygen.errors import ReplaygenError, UnsupportedShapeError
 from replaygen.plan import plan_module
 from replaygen.spec import load_spec, load_spec_text
@@ -101,6 +101,25 @@ def test_every_gpu_with_records_has_committed_modules():
 def test_bad_gpu_name(mamba2, tmp_path):
     with pytest.raises(ReplaygenError, match="--gpu"):
         build_spec(mamba2, mamba2.shapes[:1], "H100 SXM", tmp_path)
+
+
+def test_state_tiles_are_never_replicated_across_warps(mamba2):
+    """A program that loads and stores the state may run no more warps than its state tile fills: a replicated tile
+    lets a late warp read what another stored. Defaults take fewer warps where key_dim is that small."""
+    tiny = replace(SMALL, name="tiny", value_dim=4, key_dim=2)
+    configs = module_defaults(mamba2, tiny)
+    for kind in STATE_TILE_KINDS:
+        for bucket in configs[kind]:
+            assert 32 * bucket.config.num_warps <= max(32, bucket.config.block_v * 2), (kind, bucket)
+    assert configs[KernelKind.BASELINE_DECODE][0].config.num_warps == 1  # 16 rows x 2 keys
+    plan_module(mamba2, tiny, "h100", configs, "defaults")
+    for kind in STATE_TILE_KINDS:
+        bad = dict(configs)
+        bad[kind] = (BucketConfig(None, KernelConfig(block_v=16, num_warps=2)),)
+        with pytest.raises(UnsupportedShapeError, match=rf"{kind.value}: num_warps=2 is 64 threads for a state tile of 32 elements .*at most 1 warp"):
+            plan_module(mamba2, tiny, "h100", bad, "defaults")
+    shape = mamba2.shapes[0]
+    assert [b.config.num_warps for b in module_defaults(mamba2, shape)[KernelKind.BASELINE_DECODE]] == [4]
 
 
 def test_invalid_config_rejected_before_compile(mamba2):

@@ -147,7 +147,7 @@ def test_pruning_rules(mamba2):
     assert space.prune_reason(KernelConfig(block_v=16, flush_at=8, fused_flush=False, fold_dot=True)) is PruneRule.UNUSED_DOT
     assert space.prune_reason(KernelConfig(block_v=16, flush_at=8, fused_flush=False, precompute_scores=True)) is None
     small = derive_space(BD, SMALL, batch=8)  # tile 8 x 16 = 128 elements
-    assert small.prune_reason(KernelConfig(block_v=8, num_warps=8)) is PruneRule.IDLE_THREADS  # 256 threads
+    assert small.prune_reason(KernelConfig(block_v=8, num_warps=8)) is PruneRule.INVALID  # 256 threads: a replicated tile
     assert small.prune_reason(KernelConfig(block_v=8, num_warps=4)) is None
     candidates = space.candidates()
     assert all(space.prune_reason(c) is None for c in candidates) and len(set(candidates)) == len(candidates)
@@ -155,9 +155,9 @@ def test_pruning_rules(mamba2):
 
 
 def test_default_is_never_pruned():
-    space = derive_space(BD, SMALL, batch=8)
-    rule_would = KernelConfig(block_v=8, num_warps=8)  # 128 tile elements, 256 threads
-    assert space.prune_reason(rule_would) is PruneRule.IDLE_THREADS
+    space = derive_space(BD, replace(SMALL, value_dim=32, key_dim=256), batch=8)
+    rule_would = KernelConfig(block_v=32, num_warps=1)  # 8,192 tile elements, 32 threads
+    assert space.prune_reason(rule_would) is PruneRule.SPILLS
     space = replace(space, default=rule_would)  # as on a shape whose documented default breaks a rule
     assert space.prune_reason(rule_would) is None and space.candidates()[0] == rule_would
 

@@ -43,11 +43,11 @@ unrolled by fold_chunk instead).
 
 Pruning rules, applied to a point before anything is rendered or compiled:
 
-    INVALID        `configs.validate_config` rejects it (e.g. fold_dot below 16 value rows)
+    INVALID        `configs.validate_config` rejects it (e.g. fold_dot below 16 value rows, or a state tile with
+                   fewer elements than the program has threads)
     SPILLS         the fp32 state tile [block_v, next_pow2(key_dim)] needs more than
                    MAX_TILE_VALUES_PER_THREAD values per thread (32 * num_warps threads): the
                    tile, its update and the loads cannot stay in 255 registers, so it spills
-    IDLE_THREADS   the state tile has fewer elements than the program has threads
     UNUSED_ROUTE   flush_at=1 flushes on every step, so the route of non-flush steps never runs:
                    only output_only is kept
     UNUSED_AT_EVERY_STEP  flush_at=1 runs the baseline's step on the checkpoint: no scores kernel, no ring tile,
@@ -104,7 +104,6 @@ class Scale(enum.Enum):
 class PruneRule(enum.Enum):
     INVALID = "rejected by configs.validate_config"
     SPILLS = f"state tile needs more than {MAX_TILE_VALUES_PER_THREAD} fp32 values per thread"
-    IDLE_THREADS = "state tile has fewer elements than the program has threads"
     UNUSED_ROUTE = "flush_at=1 never runs the route of non-flush steps"
     UNUSED_AT_EVERY_STEP = "flush_at=1 launches no scores kernel or flush launch, reads no ring tile, folds by the loop"
     UNUSED_SCORES = "the state-and-output route never reads precomputed scores"
@@ -190,8 +189,6 @@ class SearchSpace:
         threads = 32 * config.num_warps
         if tile > MAX_TILE_VALUES_PER_THREAD * threads:
             return PruneRule.SPILLS
-        if tile < threads:
-            return PruneRule.IDLE_THREADS
         if self.kind is KernelKind.REPLAY_DECODE:
             state_route = config.route is Route.STATE_AND_OUTPUT
             if config.flush_at == 1 and state_route:
