@@ -186,11 +186,12 @@ def validate_config(kind: KernelKind, shape: TargetShape, config: KernelConfig) 
         raise UnsupportedShapeError(f"{kind.value}: block_v={config.block_v} exceeds value_dim={shape.value_dim} rounded up")
     if config.num_warps not in (1, 2, 4, 8, 16):
         raise UnsupportedShapeError(f"{kind.value}: num_warps={config.num_warps} must be 1, 2, 4, 8 or 16")
-    if kind in STATE_TILE_KINDS and config.num_warps > max_state_warps(shape, config.block_v):
+    warps_cap = max_state_warps(shape, config.block_v)
+    if kind in STATE_TILE_KINDS and config.num_warps > warps_cap:
         raise UnsupportedShapeError(
             f"{kind.value}: num_warps={config.num_warps} is {32 * config.num_warps} threads for a state tile of"
-            f" {config.block_v * _next_pow2(shape.key_dim)} elements (block_v={config.block_v} x key_dim={shape.key_dim} rounded up),"
-            f" so its warps would hold the same state elements; at most {max_state_warps(shape, config.block_v)} warp(s) here"
+            f" {state_tile_elements(shape, config.block_v)} elements (block_v={config.block_v} x key_dim={shape.key_dim} rounded up),"
+            f" so its warps would hold the same state elements; at most {warps_cap} warp(s) here"
         )
     if not 1 <= config.num_stages <= 4:
         raise UnsupportedShapeError(f"{kind.value}: num_stages={config.num_stages} must be 1..4")
@@ -237,10 +238,15 @@ def validate_config(kind: KernelKind, shape: TargetShape, config: KernelConfig) 
         raise UnsupportedShapeError(f"{kind.value}: flush_at applies to replay_decode and replay_verify only (no other kernel flushes a buffer)")
 
 
+def state_tile_elements(shape: TargetShape, block_v: int) -> int:
+    """Elements of a program's state tile [block_v, key_dim rounded up to a power of two]."""
+    return block_v * _next_pow2(shape.key_dim)
+
+
 def max_state_warps(shape: TargetShape, block_v: int) -> int:
     """The most warps a program over `block_v` value rows of the state may run without replicating its state tile
-    [block_v, key_dim rounded up to a power of two] across warps (STATE_TILE_KINDS; at least 1)."""
-    return max(1, block_v * _next_pow2(shape.key_dim) // 32)
+    across warps (STATE_TILE_KINDS; at least 1)."""
+    return max(1, state_tile_elements(shape, block_v) // 32)
 
 
 def default_configs(kind: KernelKind, shape: TargetShape, *, channel_decay: bool = False, delta_rule: bool = False) -> tuple[BucketConfig, ...]:

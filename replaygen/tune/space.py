@@ -73,7 +73,7 @@ import json
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
 
-from replaygen.configs import CURSOR_GRAIN, KernelConfig, KernelKind, Route, bucket_config, default_configs, validate_config
+from replaygen.configs import CURSOR_GRAIN, KernelConfig, KernelKind, Route, bucket_config, default_configs, state_tile_elements, validate_config
 from replaygen.errors import ReplaygenError, UnsupportedShapeError
 from replaygen.spec.model import TargetShape
 
@@ -185,9 +185,7 @@ class SearchSpace:
             validate_config(self.kind, self.shape, config)
         except UnsupportedShapeError:
             return PruneRule.INVALID
-        tile = config.block_v * _next_pow2(self.shape.key_dim)
-        threads = 32 * config.num_warps
-        if tile > MAX_TILE_VALUES_PER_THREAD * threads:
+        if state_tile_elements(self.shape, config.block_v) > MAX_TILE_VALUES_PER_THREAD * 32 * config.num_warps:
             return PruneRule.SPILLS
         if self.kind is KernelKind.REPLAY_DECODE:
             state_route = config.route is Route.STATE_AND_OUTPUT
