@@ -391,12 +391,13 @@
 #     128,
 #     {
 #      "block_v": 16,
+#      "early_launch": true,
 #      "evict_state": true,
 #      "flush_at": 0,
-#      "fold_chunk": 2,
+#      "fold_chunk": 4,
 #      "fold_dot": false,
 #      "fused_flush": true,
-#      "max_registers": 0,
+#      "max_registers": 128,
 #      "num_stages": 1,
 #      "num_warps": 1,
 #      "overlap_scores": true,
@@ -404,8 +405,8 @@
 #      "prefetch_ring": false,
 #      "readout_dot": false,
 #      "route": "output_only",
-#      "window_block_v": 64,
-#      "window_warps": 1
+#      "window_block_v": 128,
+#      "window_warps": 2
 #     }
 #    ],
 #    [
@@ -533,7 +534,7 @@ _REPLAY_VERIFY_CONFIGS = (
     (1, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'state_and_output', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': False, 'overlap_scores': False}),
     (8, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'state_and_output', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
     (32, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': False, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True, 'early_launch': True}),
-    (128, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': False, 'fold_chunk': 2, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True, 'window_block_v': 64, 'window_warps': 1}),
+    (128, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': False, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 128, 'evict_state': True, 'overlap_scores': True, 'window_block_v': 128, 'window_warps': 2, 'early_launch': True}),
     (None, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': False, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 128, 'evict_state': True, 'overlap_scores': True, 'window_block_v': 128, 'window_warps': 1, 'early_launch': True}),
 )
 _COMMIT_CONFIGS = (
@@ -1252,6 +1253,7 @@ s_v_b, s_v_h, s_v_t, s_k_b, s_k_h, s_k_t, s_q_b, s_q_h, s_q_t, s_a_b, s_a_h, s_a
                         b_s += b_u_e[:, None] * (b_k_e * b_scale)[None, :]
 
 
+            tl.debug_barrier()
             tl.store(p_s, b_s.to(ckpt_ptr.dtype.element_ty), mask=m_s & flush, eviction_policy=STATE_EVICTION)
 
             b_base = b_s
@@ -1391,6 +1393,7 @@ s_v_b, s_v_h, s_v_t, s_k_b, s_k_h, s_k_t, s_q_b, s_q_h, s_q_t, s_a_b, s_a_h, s_a
         first_of_key_head = first_of_head & (i_h % HEADS_PER_KEY_HEAD == 0)
         tl.store(p_buf_key + r_new[:, None] * KEY_DIM + o_k[None, :], b_k.to(buf_key_ptr.dtype.element_ty), mask=m_new[:, None] & m_k[None, :] & first_of_key_head)
 
+        tl.debug_barrier()
         tl.store(p_cursor, tl.zeros_like(o_c) + first, mask=m_c)
         tl.store(p_cursor + 1, tl.zeros_like(o_c) + n_buf, mask=m_c)
 

@@ -465,9 +465,31 @@
 #     }
 #    ],
 #    [
+#     128,
+#     {
+#      "block_v": 16,
+#      "evict_state": true,
+#      "flush_at": 0,
+#      "fold_chunk": 4,
+#      "fold_dot": false,
+#      "fused_flush": true,
+#      "max_registers": 128,
+#      "num_stages": 1,
+#      "num_warps": 1,
+#      "overlap_scores": true,
+#      "precompute_scores": true,
+#      "prefetch_ring": false,
+#      "readout_dot": false,
+#      "route": "output_only",
+#      "window_block_v": 128,
+#      "window_warps": 4
+#     }
+#    ],
+#    [
 #     null,
 #     {
 #      "block_v": 16,
+#      "early_launch": true,
 #      "evict_state": true,
 #      "flush_at": 0,
 #      "fold_chunk": 2,
@@ -478,11 +500,12 @@
 #      "num_warps": 1,
 #      "overlap_scores": true,
 #      "precompute_scores": true,
+#      "prefetch_fold_keys": true,
 #      "prefetch_ring": false,
 #      "readout_dot": false,
 #      "route": "output_only",
-#      "window_block_v": 64,
-#      "window_warps": 1
+#      "window_block_v": 128,
+#      "window_warps": 4
 #     }
 #    ]
 #   ]
@@ -590,7 +613,8 @@ _REPLAY_VERIFY_CONFIGS = (
     (4, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True, 'early_launch': True}),
     (8, {'block_v': 32, 'num_warps': 1, 'num_stages': 1, 'route': 'state_and_output', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
     (32, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 128, 'evict_state': True, 'overlap_scores': True, 'window_block_v': 64, 'window_warps': 1}),
-    (None, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': False, 'fold_chunk': 2, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True, 'window_block_v': 64, 'window_warps': 1}),
+    (128, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': False, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 128, 'evict_state': True, 'overlap_scores': True, 'window_block_v': 128, 'window_warps': 4}),
+    (None, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': False, 'fold_chunk': 2, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True, 'window_block_v': 128, 'window_warps': 4, 'early_launch': True, 'prefetch_fold_keys': True}),
 )
 _COMMIT_CONFIGS = (
     (None, {'block_v': 128, 'num_warps': 4, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': False, 'overlap_scores': False}),
@@ -1216,6 +1240,7 @@ s_v_b, s_v_h, s_v_t, s_k_b, s_k_h, s_k_t, s_q_b, s_q_h, s_q_t, s_a_b, s_a_h, s_a
     STATE_EVICTION: tl.constexpr,
     USE_PDL: tl.constexpr,
     EARLY_WAIT: tl.constexpr,
+    PREFETCH_FOLD_KEYS: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """ReplaySSM verify of a window of NUM_TOKENS tokens per sequence, all tokens at once.
@@ -1235,7 +1260,8 @@ s_v_b, s_v_h, s_v_t, s_k_b, s_k_h, s_k_t, s_q_b, s_q_h, s_q_t, s_a_b, s_a_h, s_a
     before it ends, so the window half's wait covers the scores too. SPLIT 2, the window half, reads them (after
     waiting for the checkpoint half with USE_PDL), applies each token's decay and key/query transform, and does the
     rest, its BLOCK_V independent of the checkpoint half's. EARLY_WAIT: launched as a programmatic dependent of the kernel
-    before it (early_launch) without USE_PDL, it waits for that kernel before its first memory access.
+    before it (early_launch) without USE_PDL, it waits for that kernel before its first memory access. PREFETCH_FOLD_KEYS:
+    a folding program prefetches its ring keys into L1 before it folds (prefetch_fold_keys).
     """
     tl.static_assert(SPLIT == 0 or (PRECOMPUTED_SCORES and not STATE_ROUTE and not READOUT_DOT), "the split verify runs the output-only route on precomputed scores")
     if EARLY_WAIT:
@@ -1291,6 +1317,12 @@ s_v_b, s_v_h, s_v_t, s_k_b, s_k_h, s_k_t, s_q_b, s_q_h, s_q_t, s_a_b, s_a_h, s_a
 
     if flush or STATE_ROUTE:
         if SPLIT != 2:
+            if PREFETCH_FOLD_KEYS:
+                if valid:
+                    r_pf = (start + tl.minimum(tl.arange(0, BLOCK_R), tl.maximum(count - 1, 0))) % RING
+                    o_pf = r_pf[:, None] * KEY_DIM + tl.minimum(tl.arange(0, 4) * 32, KEY_DIM - 1)[None, :]
+                    tl.inline_asm_elementwise("prefetch.global.L1 [$1];\n mov.u32 $0, 0;", "=r,l", [p_buf_key + o_pf], dtype=tl.int32, is_pure=False, pack=1)
+
             if FOLD_DOT:
                 b_kj = tl.where(live[:, None], tl.load(p_buf_key + o_r[:, None] * KEY_DIM + o_k[None, :], mask=m_ring[:, None] & m_k[None, :], other=0).to(tl.float32), 0.0)
 
@@ -1310,6 +1342,7 @@ s_v_b, s_v_h, s_v_t, s_k_b, s_k_h, s_k_t, s_q_b, s_q_h, s_q_t, s_a_b, s_a_h, s_a
                         b_s += b_u_e[:, None] * (b_k_e * b_scale)[None, :]
 
 
+            tl.debug_barrier()
             tl.store(p_s, b_s.to(ckpt_ptr.dtype.element_ty), mask=m_s & flush, eviction_policy=STATE_EVICTION)
 
             b_base = b_s
@@ -1449,6 +1482,7 @@ s_v_b, s_v_h, s_v_t, s_k_b, s_k_h, s_k_t, s_q_b, s_q_h, s_q_t, s_a_b, s_a_h, s_a
         first_of_key_head = first_of_head & (i_h % HEADS_PER_KEY_HEAD == 0)
         tl.store(p_buf_key + r_new[:, None] * KEY_DIM + o_k[None, :], b_k.to(buf_key_ptr.dtype.element_ty), mask=m_new[:, None] & m_k[None, :] & first_of_key_head)
 
+        tl.debug_barrier()
         tl.store(p_cursor, tl.zeros_like(o_c) + first, mask=m_c)
         tl.store(p_cursor + 1, tl.zeros_like(o_c) + n_buf, mask=m_c)
 
@@ -1665,6 +1699,12 @@ def _early_launch(config, device):
     if device not in _dependent_launch:
         _dependent_launch[device] = torch.cuda.get_device_capability(device)[0] >= 9
     return _dependent_launch[device]
+
+
+def _prefetch_fold_keys(config, device):
+    """Whether a config's folding programs prefetch their ring keys into L1 first (prefetch_fold_keys): inline PTX, so
+    on CUDA devices only (the Triton interpreter runs none)."""
+    return bool(config.get("prefetch_fold_keys", False)) and device.type == "cuda"
 
 
 def _strides(t, tile=False):
@@ -1985,7 +2025,7 @@ def _launch_verify(state, slots, v, k, q, a, g, b, beta, A_log, dt_bias, out, re
         NUM_TOKENS=tokens, BLOCK_T=block_t, LOG2_BLOCK_T=log2_block_t, SPLIT=split, PRECOMPUTED_SCORES=config["precompute_scores"],
         READOUT_DOT=config["readout_dot"], BLOCK_D=max(16, 2 * block_t), STATE_ROUTE=config["route"] == "state_and_output",
         PREFETCH_RING=config["prefetch_ring"], FOLD_CHUNK=config["fold_chunk"], FOLD_DOT=config["fold_dot"],
-        STATE_EVICTION=_state_eviction(config), USE_PDL=pdl, EARLY_WAIT=early and not pdl, BLOCK_V=block_v, **_options(config), launch_pdl=pdl or early,
+        STATE_EVICTION=_state_eviction(config), USE_PDL=pdl, EARLY_WAIT=early and not pdl, PREFETCH_FOLD_KEYS=_prefetch_fold_keys(config, state.device), BLOCK_V=block_v, **_options(config), launch_pdl=pdl or early,
     )
 
 
