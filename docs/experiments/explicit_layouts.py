@@ -315,7 +315,7 @@ def on_gpu(names: list[str], batches: list[int], entries: int, shipped: str | No
                 best = min(times)
                 print(f"{experiment} b{batch} {name}: {best * 1e3:.1f} us ({', '.join(f'{t * 1e3:.1f}' for t in times)}), "
                       f"{moved / (best * 1e-3) / copy * 100:.1f}% of copy", flush=True)
-            del data
+            data.clear()
 
 
 def main() -> None:
