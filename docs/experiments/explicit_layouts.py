@@ -270,20 +270,34 @@ def shipped_checkpoint_half(module_name: str, batch: int, layers: int, device) -
             "shipped checkpoint half, every row flushing (24 entries)": entries(24)}
 
 
+def state_bytes(dims: Dims, batch: int) -> int:
+    return batch * dims.heads * dims.value_dim * dims.key_dim * 4
+
+
+def cold_layer_count(dims: Dims, batch: int, device) -> int:
+    """Layers of `batch` fp32 states that together exceed 4x the L2 (at least 2), as `measure.cold_layers` counts."""
+    return max(2, -(-4 * l2_bytes(device) // state_bytes(dims, batch)))
+
+
+def timed_rounds(cases: dict, layers: int) -> dict[str, list[float]]:
+    """Three rounds over `cases` (name: a function that prepares the inputs and returns the launches of one step over
+    every layer), each case captured in a CUDA graph and timed in every round: ms per layer, one median per round."""
+    rounds: dict[str, list[float]] = {}
+    for _ in range(3):
+        for name, prepare in cases.items():
+            graph = capture(prepare())
+            rounds.setdefault(name, []).append(time_callable(graph.replay, repeats=20, per_call=layers).median_ms)
+            del graph
+    return rounds
+
+
 def on_gpu(names: list[str], batches: list[int], entries: int, shipped: str | None) -> None:
     device = torch.device("cuda")
     copy = copy_bandwidth(device)
     print(f"copy {copy / 1e12:.3f} TB/s, {entries} ring entries", flush=True)
     for batch in batches if shipped else []:
-        dims = SHAPES["qwen3.5"]
-        layers = max(2, -(-4 * l2_bytes(device) // (batch * dims.heads * dims.value_dim * dims.key_dim * 4)))
-        calls = shipped_checkpoint_half(shipped, batch, layers, device)
-        rounds: dict[str, list[float]] = {}
-        for _ in range(3):
-            for name, prepare in calls.items():
-                graph = capture(prepare())
-                rounds.setdefault(name, []).append(time_callable(graph.replay, repeats=20, per_call=layers).median_ms)
-                del graph
+        layers = cold_layer_count(SHAPES["qwen3.5"], batch, device)
+        rounds = timed_rounds(shipped_checkpoint_half(shipped, batch, layers, device), layers)
         for name, times in rounds.items():
             print(f"b{batch} {name}: {min(times) * 1e3:.1f} us ({', '.join(f'{t * 1e3:.1f}' for t in times)})", flush=True)
     for experiment in names:
@@ -299,18 +313,16 @@ def on_gpu(names: list[str], batches: list[int], entries: int, shipped: str | No
                 y_err = ((layer["y"].double() - want_y).abs().max() / want_y.abs().max()).item()
                 print(f"  check {experiment} b{batch} {name}: state rel err {state_err:.2e}, readouts {y_err:.2e}")
             del inputs, layer
-            state_bytes = batch * dims.heads * dims.value_dim * dims.key_dim * 4
-            layers = max(2, -(-4 * l2_bytes(device) // state_bytes))
+            layers = cold_layer_count(dims, batch, device)
             data = [make_layer(dims, batch, entries, readouts, device) for _ in range(layers)]
-            rounds: dict[str, list[float]] = {}
-            for _ in range(3):
-                for name, variant in variants.items():
-                    graph = capture(lambda: [launch(dims, variant, layer, batch, entries, readouts) for layer in data])
-                    rounds.setdefault(name, []).append(time_callable(graph.replay, repeats=20, per_call=layers).median_ms)
-                    del graph
+
+            def step_of(variant: Variant):
+                return lambda: lambda: [launch(dims, variant, layer, batch, entries, readouts) for layer in data]
+
+            rounds = timed_rounds({name: step_of(variant) for name, variant in variants.items()}, layers)
             for name, times in rounds.items():
                 mode = variants[name].mode
-                moved = (state_bytes * (1 if mode == READOUTS_ONLY else 2) + batch * dims.heads * readouts * dims.value_dim * 4
+                moved = (state_bytes(dims, batch) * (1 if mode == READOUTS_ONLY else 2) + batch * dims.heads * readouts * dims.value_dim * 4
                          + (batch * entries * dims.heads * dims.value_dim * 2 if mode == FOLD_AND_STORE else 0))
                 best = min(times)
                 print(f"{experiment} b{batch} {name}: {best * 1e3:.1f} us ({', '.join(f'{t * 1e3:.1f}' for t in times)}), "
