@@ -47,6 +47,7 @@ def shipped_reports():
     return dict(zip(SHIPPED, compile_modules(jobs)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, shape_name", SHIPPED)
 def test_every_shipped_module_compiles_for_the_h100(shipped_reports, name, shape_name):
     """Every bucket of every dispatch table launched, every kernel compiled for sm_90 within its shared memory and
