@@ -172,10 +172,12 @@ class SearchSpace:
         return replace(config, **fixed)
 
     def points(self) -> Iterator[KernelConfig]:
-        """Every point, pruned or not, in a fixed order."""
+        """Every point, pruned or not, in a fixed order (the product's values are choices by construction, so
+        they are not checked again as `config` checks them)."""
         names = [p.name for p in self.parameters]
-        for combo in itertools.product(*(p.choices for p in self.parameters)):
-            yield self.config(dict(zip(names, combo)))
+        choices = [tuple(Route(c) for c in p.choices) if p.name == "route" else p.choices for p in self.parameters]
+        for combo in itertools.product(*choices):
+            yield KernelConfig(**dict(zip(names, combo)))
 
     def prune_reason(self, config: KernelConfig) -> PruneRule | None:
         """Why `config` is not worth compiling, or None (the default is never pruned)."""
@@ -202,10 +204,21 @@ class SearchSpace:
                 return PruneRule.UNUSED_DOT
         return None
 
+    def iter_candidates(self) -> Iterator[KernelConfig]:
+        """The default (when in the space) first, then every unpruned point, each as it is reached."""
+        if self.contains(self.default):
+            yield self.default
+        for config in self.points():
+            if config != self.default and self.prune_reason(config) is None:
+                yield config
+
     def candidates(self) -> tuple[KernelConfig, ...]:
-        """The default (when in the space) first, then every unpruned point."""
-        first = (self.default,) if self.contains(self.default) else ()
-        return first + tuple(c for c in self.points() if c != self.default and self.prune_reason(c) is None)
+        """Every candidate (`iter_candidates`): the whole product is walked, millions of points for a replay decode."""
+        return tuple(self.iter_candidates())
+
+    def count_candidates(self, limit: int) -> int:
+        """min(limit, the number of candidates), walking the product only as far as the limit-th candidate."""
+        return sum(1 for _ in itertools.islice(self.iter_candidates(), limit))
 
     def key(self) -> str:
         """sha256 of the space (kind, shape, parameters, default): names its Optuna studies."""

@@ -360,7 +360,7 @@ class Tuner:
             known = self._known.get((task.kind, render_candidate(task.spec, task.shape, task.kind, config).key.source_sha256, task.batch))
             if known is not None:
                 results[config] = known
-        target = min(self.settings.trials, len(space.candidates()))
+        target = space.count_candidates(self.settings.trials)
         measured = pruned = idle = 0
         while len(values) < target:
             if deadline is not None and values and time.monotonic() > deadline:
