@@ -338,7 +338,7 @@ class Tuner:
             results[config] = record
             measured += not reused
             self.progress.trial(task, len(results), record, reused, _best(results))
-        pruned = sum(1 for c in task.space.points() if task.space.prune_reason(c) is not None) if study == EXHAUSTIVE_STUDY else 0
+        pruned = task.space.size - len(candidates) if study == EXHAUSTIVE_STUDY else 0  # every point is a candidate or pruned
         return self._result(task, self.settings.mode, study, results, len(results), measured, pruned)
 
     def _optuna(self, task: SearchTask, deadline: float | None) -> SearchResult:
