@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", default=None, help=(
         "check every config `build --gpu GPU` bakes from TUNE_DIR instead of the defaults: one module per bucket position "
         "of the dispatch tables, each config run at --batch rows (needs a CUDA GPU; kernels without records keep their defaults)"))
+    p.add_argument("--bucket", type=int, action="append", metavar="K", help=(
+        "with --gpu: check only bucket position K (1-based, repeatable; default: every position), so that one shape's "
+        "positions can run in separate processes"))
     p.add_argument("--tune-dir", default="tune", type=Path, help="tuning records folder for --gpu (default: tune)")
 
     p = sub.add_parser("compile", help="compile every kernel for a GPU architecture, without that GPU", description=(
@@ -174,6 +177,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     import torch
 
     has_gpu = torch.cuda.is_available()
+    if args.bucket and not args.gpu:
+        raise ReplaygenError("check --bucket selects bucket positions of the tables `build --gpu GPU` bakes: pass --gpu")
     if args.gpu and not has_gpu:
         raise ReplaygenError(f"check --gpu {args.gpu} needs a CUDA GPU (none found): tuned configs run at the full shapes, on the GPU they were tuned for")
     if not has_gpu:
@@ -217,7 +222,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def _check_variants(spec, shape, args: argparse.Namespace) -> list[tuple[str, dict | None]]:
     """What `check` runs for `shape`: the defaults, or with --gpu one config set per bucket position of the tables
-    `build --gpu` would bake (labelled with the batch sizes each tuned kernel's config serves)."""
+    `build --gpu` would bake (labelled with the batch sizes each tuned kernel's config serves), only the positions
+    --bucket names if it names any."""
     if not args.gpu:
         return [("", None)]
     from replaygen.configs import bucket_range, bucket_variants
@@ -228,8 +234,15 @@ def _check_variants(spec, shape, args: argparse.Namespace) -> list[tuple[str, di
     for note in resolved.notes:
         print(f"  {note}")
     tables = resolved.configs
+    positions = bucket_variants(tables)
+    wanted = set(args.bucket or range(1, len(positions) + 1))
+    beyond = sorted(k for k in wanted if not 1 <= k <= len(positions))
+    if beyond:
+        raise ReplaygenError(f"check --bucket {beyond[0]}: {spec.name}/{shape.name} has bucket positions 1-{len(positions)} for {args.gpu}")
     variants = []
-    for i, configs in enumerate(bucket_variants(tables)):
+    for i, configs in enumerate(positions):
+        if i + 1 not in wanted:
+            continue
         served = "; ".join(
             f"{kind.value} {bucket_range(tables[kind], i)}" for kind in TUNABLE_KINDS if i < len(tables[kind])
         )

@@ -77,6 +77,28 @@ def test_check_of_tuned_configs_needs_a_gpu(capsys):
     assert "check --gpu h100 needs a CUDA GPU" in capsys.readouterr().err
 
 
+def test_check_bucket_picks_positions_of_the_gpu_tables(capsys):
+    """`check --gpu G --bucket K` runs only the Kth config set of the tables `build --gpu G` bakes; a position the
+    tables lack, or --bucket without --gpu, is refused."""
+    import argparse
+
+    from replaygen.cli import _check_variants
+    from replaygen.errors import ReplaygenError
+    from replaygen.spec import load_spec
+
+    spec = load_spec(ROOT / "specs" / "mamba2.yaml")
+    shape = spec.shape("nemotron-h")
+    args = argparse.Namespace(gpu="h100", tune_dir=ROOT / "tune", bucket=None)
+    every = _check_variants(spec, shape, args)
+    assert len(every) > 2
+    picked = _check_variants(spec, shape, argparse.Namespace(**{**vars(args), "bucket": [len(every), 2]}))
+    assert picked == [every[1], every[-1]]
+    with pytest.raises(ReplaygenError, match=f"has bucket positions 1-{len(every)} for h100"):
+        _check_variants(spec, shape, argparse.Namespace(**{**vars(args), "bucket": [len(every) + 1]}))
+    assert main(["check", str(ROOT / "specs" / "mamba2.yaml"), "--bucket", "1"]) == 2
+    assert "pass --gpu" in capsys.readouterr().err
+
+
 def test_bad_spec_exits_nonzero_with_location(capsys, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(TINY.replace("capacity: 4", "capacity: 1"))

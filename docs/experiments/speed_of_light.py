@@ -18,7 +18,7 @@ measure), and the same kernel never flushing (flush_at past the capacity; timing
 the recurrence's). Per step, cold layers (past 4x L2), 16-step CUDA graphs, medians; % of the best-of-three
 1 GiB copy, counting the traffic kernel's bytes.
 
-    python docs/experiments/speed_of_light.py --batch 32,256
+    python docs/experiments/speed_of_light.py --batch 32,256 --gpu h100
 """
 
 import argparse
@@ -126,14 +126,14 @@ def traffic_times(shape: TargetShape, batch: int, config: KernelConfig, device: 
     return results
 
 
-def replay_times(spec: Spec, shape: TargetShape, tables: dict[KernelKind, tuple[BucketConfig, ...]], batch: int, device: torch.device) -> tuple[float, float]:
+def replay_times(spec: Spec, shape: TargetShape, tables: dict[KernelKind, tuple[BucketConfig, ...]], batch: int, gpu: str, device: torch.device) -> tuple[float, float]:
     """µs per step of the shipped replay decode: over whole flush cycles, and never flushing (timing only)."""
     config = bucket_config(tables[KernelKind.REPLAY_DECODE], batch)
-    module = load_kernels(spec, shape, tables, gpu="h100", config_source="speed of light")
+    module = load_kernels(spec, shape, tables, gpu=gpu, config_source="speed of light")
     work = DecodeWorkload(module, spec, shape, batch, torch.bfloat16, device)
     cycle = work.time_replay(config.route.value, config.flush_at, repeats=20).median_ms * 1e3
     spread = replace(config, align_flushes=False, flush_groups=1)
-    never = load_kernels(spec, shape, {**tables, KernelKind.REPLAY_DECODE: (BucketConfig(None, spread),)}, gpu="h100", config_source="speed of light")
+    never = load_kernels(spec, shape, {**tables, KernelKind.REPLAY_DECODE: (BucketConfig(None, spread),)}, gpu=gpu, config_source="speed of light")
     never._CAPACITY = 1 << 30
     work.stagger(config.flush_at)
 
@@ -152,6 +152,7 @@ def replay_times(spec: Spec, shape: TargetShape, tables: dict[KernelKind, tuple[
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", default="32,256", help="comma-separated batch sizes")
+    parser.add_argument("--gpu", default="h100", help="whose tuning records pick the shipped configs (as `build --gpu`)")
     args = parser.parse_args()
     device = torch.device("cuda")
     copy = copy_bandwidth(device)
@@ -159,10 +160,10 @@ def main() -> None:
     for spec_name, shape_name in (("mamba2", "nemotron-h"), ("gdn", "qwen3.5")):
         spec = load_spec(Path(f"specs/{spec_name}.yaml"))
         shape = spec.shape(shape_name)
-        tables = resolve_configs(spec, shape, "h100", Path("tune")).configs  # what `build --gpu h100` ships
+        tables = resolve_configs(spec, shape, args.gpu, Path("tune")).configs  # what `build --gpu GPU` ships
         for batch in (int(b) for b in args.batch.split(",")):
             config = bucket_config(tables[KernelKind.REPLAY_DECODE], batch)
-            cycle, never_flushing = replay_times(spec, shape, tables, batch, device)
+            cycle, never_flushing = replay_times(spec, shape, tables, batch, args.gpu, device)
             print(f"{shape_name} b{batch} bv{config.block_v} w{config.num_warps}: replay cycle {cycle:.1f} us/step, never flushing {never_flushing:.1f}")
             for name, (us, nbytes) in traffic_times(shape, batch, config, device).items():
                 print(f"  traffic {name:8s} {us:7.1f} us/step  {nbytes / (us * 1e-6) / copy * 100:5.1f}% of copy")
