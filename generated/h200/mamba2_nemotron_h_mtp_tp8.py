@@ -348,6 +348,25 @@
 #   ],
 #   "replay_verify": [
 #    [
+#     1,
+#     {
+#      "block_v": 8,
+#      "evict_state": true,
+#      "flush_at": 1,
+#      "fold_chunk": 4,
+#      "fold_dot": false,
+#      "fused_flush": true,
+#      "max_registers": 0,
+#      "num_stages": 1,
+#      "num_warps": 1,
+#      "overlap_scores": false,
+#      "precompute_scores": false,
+#      "prefetch_ring": true,
+#      "readout_dot": false,
+#      "route": "state_and_output"
+#     }
+#    ],
+#    [
 #     8,
 #     {
 #      "block_v": 8,
@@ -523,6 +542,7 @@ _LOAD_CONFIGS = (
     (None, {'block_v': 16, 'num_warps': 4, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': False, 'overlap_scores': False}),
 )
 _REPLAY_VERIFY_CONFIGS = (
+    (1, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'state_and_output', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
     (8, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'route': 'state_and_output', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': False}),
     (32, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 2, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 128, 'evict_state': True, 'overlap_scores': True, 'early_launch': True}),
     (128, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'precompute_scores': True, 'fused_flush': True, 'readout_dot': False, 'max_registers': 0, 'evict_state': True, 'overlap_scores': True, 'early_launch': True}),
@@ -1116,11 +1136,12 @@ s_x_b, s_x_h, s_x_t, s_B_b, s_B_h, s_B_t, s_C_b, s_C_h, s_C_t, s_dt_b, s_dt_h, s
     STATE_EVICTION: tl.constexpr,
     USE_PDL: tl.constexpr,
     EARLY_WAIT: tl.constexpr,
+    FLUSH_AT: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """ReplaySSM verify of a window of NUM_TOKENS tokens per sequence, all tokens at once.
 
-    Flush rule: if h + 2T > L, the h committed entries are folded into the checkpoint
+    Flush rule: if h + 2T > L or h >= FLUSH_AT (flush_at), the h committed entries are folded into the checkpoint
     first (never the window's tokens). STATE_ROUTE folds them on every step (stored only
     on a flush) and reads the formed state alone. Outputs come from the checkpoint and the ring
     read at every token's query plus causal-masked products within the window; the
@@ -1166,6 +1187,7 @@ s_x_b, s_x_h, s_x_t, s_B_b, s_B_h, s_B_t, s_C_b, s_C_h, s_C_t, s_dt_b, s_dt_h, s
     count = tl.load(p_cursor0 + 1, mask=valid, other=0)
 
     flush = count + 2 * NUM_TOKENS > CAPACITY
+    flush = flush | (count >= FLUSH_AT)
     if SPLIT != 2:
         m_s = m_v[:, None] & m_k[None, :] & valid
         p_s = ckpt_ptr + (i_slot * HEADS + i_h) * STATE_SIZE + o_v[:, None] * STATE_STRIDE_V + o_k[None, :] * STATE_STRIDE_K
@@ -1783,7 +1805,7 @@ def verify(state, slots, *, x, B, C, dt, A_log, dt_bias, D, z=None, out=None):
 
     The tokens are appended to the buffer but stay uncommitted: call `commit` with the
     accepted counts before the next decode or verify. If a sequence's buffer holds h
-    committed entries with h + 2T > CAPACITY, they are folded into its checkpoint first.
+    committed entries with h + 2T > CAPACITY (or, where the bucket's config sets flush_at, h >= flush_at), they are folded into its checkpoint first.
     Buckets with window_block_v run the split verify: two launches of the verify kernel, the
     checkpoint read at every window token passed through a scratch buffer.
 
@@ -1839,7 +1861,7 @@ def _launch_verify(state, slots, x, B, C, dt, z, A_log, dt_bias, D, out, readout
         NUM_TOKENS=tokens, BLOCK_T=block_t, LOG2_BLOCK_T=log2_block_t, SPLIT=split, PRECOMPUTED_SCORES=config["precompute_scores"],
         READOUT_DOT=config["readout_dot"], BLOCK_D=max(16, 1 * block_t), STATE_ROUTE=config["route"] == "state_and_output",
         PREFETCH_RING=config["prefetch_ring"], FOLD_CHUNK=config["fold_chunk"], FOLD_DOT=config["fold_dot"],
-        STATE_EVICTION=_state_eviction(config), USE_PDL=pdl, EARLY_WAIT=early and not pdl, BLOCK_V=block_v, **_options(config), launch_pdl=pdl or early,
+        STATE_EVICTION=_state_eviction(config), USE_PDL=pdl, EARLY_WAIT=early and not pdl, FLUSH_AT=config["flush_at"] or _CAPACITY, BLOCK_V=block_v, **_options(config), launch_pdl=pdl or early,
     )
 
 
