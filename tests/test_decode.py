@@ -183,6 +183,16 @@ class TestApiErrors:
         with pytest.raises(TypeError, match="slots must be an int32 tensor"):
             small.decode(state, torch.zeros(2, dtype=torch.int64, device=DEVICE), **step_inputs(2, 0), **WEIGHTS)
 
+    def test_validate_slots(self, small):
+        """`validate_slots` names slots past the allocation and slots given to two rows; padding may repeat."""
+        small.validate_slots(torch.tensor([2, -1, 0, -1], dtype=torch.int32, device=DEVICE), 3)
+        with pytest.raises(ValueError, match=r"slots past the 3 allocated \(row, slot\): \[\(1, 3\), \(2, 7\)\]"):
+            small.validate_slots(torch.tensor([0, 3, 7], dtype=torch.int32, device=DEVICE), 3)
+        with pytest.raises(ValueError, match=r"more than one row \(first row, row, slot\): \[\(0, 2, 1\), \(0, 3, 1\)\]"):
+            small.validate_slots(torch.tensor([1, 0, 1, 1, -1], dtype=torch.int32, device=DEVICE), 3)
+        with pytest.raises(TypeError, match="slots must be an int32 tensor"):
+            small.validate_slots(torch.zeros(2, dtype=torch.int64, device=DEVICE), 3)
+
     def test_weight_shape(self, small):
         state = small.allocate(2, DEVICE, torch.float32)
         weights = dict(WEIGHTS, D=torch.ones(3, device=DEVICE))
