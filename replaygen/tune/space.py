@@ -117,6 +117,10 @@ class Parameter:
     choices: tuple[int, ...] | tuple[str, ...] | tuple[bool, ...]  # route values are Route.value strings
     scale: Scale
 
+    def as_config(self, choice: int | str | bool) -> int | str | bool | Route:
+        """`choice` as KernelConfig holds it (a route is a Route; its choices here are the values)."""
+        return Route(choice) if self.name == "route" else choice
+
 
 @dataclass(frozen=True, kw_only=True)
 class SearchSpace:
@@ -152,8 +156,7 @@ class SearchSpace:
         for parameter in self.parameters:
             if chosen[parameter.name] not in parameter.choices:
                 raise ValueError(f"{self.kind.value}: {parameter.name}={chosen[parameter.name]!r} is not one of {parameter.choices}")
-        chosen["route"] = Route(chosen["route"])
-        return KernelConfig(**chosen)
+        return KernelConfig(**{p.name: p.as_config(chosen[p.name]) for p in self.parameters})
 
     def values(self, config: KernelConfig) -> dict[str, int | str]:
         """The free parameters' values of `config` (inverse of `config`)."""
@@ -166,16 +169,13 @@ class SearchSpace:
 
     def fit(self, config: KernelConfig) -> KernelConfig:
         """`config` with every parameter that has one choice (fixed by the kind, or by --fix) set to it."""
-        fixed = {p.name: p.choices[0] for p in self.parameters if len(p.choices) == 1}
-        if "route" in fixed:
-            fixed["route"] = Route(fixed["route"])
-        return replace(config, **fixed)
+        return replace(config, **{p.name: p.as_config(p.choices[0]) for p in self.parameters if len(p.choices) == 1})
 
     def points(self) -> Iterator[KernelConfig]:
         """Every point, pruned or not, in a fixed order (the product's values are choices by construction, so
         they are not checked again as `config` checks them)."""
         names = [p.name for p in self.parameters]
-        choices = [tuple(Route(c) for c in p.choices) if p.name == "route" else p.choices for p in self.parameters]
+        choices = [tuple(p.as_config(c) for c in p.choices) for p in self.parameters]
         for combo in itertools.product(*choices):
             yield KernelConfig(**dict(zip(names, combo)))
 
