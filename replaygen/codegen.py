@@ -119,11 +119,20 @@ def source_hash(source: str) -> str:
     return hashlib.sha256(source.encode()).hexdigest()
 
 
+# Top-level functions of a generated module whose names start with this only check their arguments: they raise on
+# bad input and return an argument or a size read from one (`_check_step` also allocates the documented output
+# buffer). They run on the host before a kernel launch and never inside a captured CUDA graph, which is what a tuning
+# trial times, so `reachable_source` leaves them and the statements that only call them out of a trial's key.
+ARGUMENT_CHECK_PREFIX = "_check_"
+
+
 def reachable_source(source: str, roots: Iterable[str]) -> str:
     """The code of a generated module that its top-level functions `roots` run: every top-level definition and
     import the roots reach by name (transitively), in module order, their source lines without docstrings,
     comments and blank lines. So comments, docstrings and code no root reaches leave it unchanged (and it reads the
-    same under every Python version: lines of the source, not a re-printed tree)."""
+    same under every Python version: lines of the source, not a re-printed tree). Argument checks
+    (ARGUMENT_CHECK_PREFIX) are not followed, and statements that only call one are left out, so a stricter check
+    leaves it unchanged too."""
     tree = ast.parse(source)
     defined: dict[str, ast.stmt] = {}
     always: list[ast.stmt] = []
@@ -136,13 +145,14 @@ def reachable_source(source: str, roots: Iterable[str]) -> str:
     missing = [name for name in roots if name not in defined]
     if missing:
         raise KeyError(f"the module defines no {', '.join(missing)}")
+    followed = {name: node for name, node in defined.items() if not name.startswith(ARGUMENT_CHECK_PREFIX)}
     reached: set[int] = set()
     pending = [defined[name] for name in roots]
     while pending:
         node = pending.pop()
         if id(node) not in reached:
             reached.add(id(node))
-            pending += [defined[n.id] for n in ast.walk(node) if isinstance(n, ast.Name) and n.id in defined]
+            pending += [followed[n.id] for n in ast.walk(node) if isinstance(n, ast.Name) and n.id in followed]
     lines = source.splitlines()
     comments = {
         token.start[0]: token.start[1]
@@ -152,13 +162,24 @@ def reachable_source(source: str, roots: Iterable[str]) -> str:
     kept = []
     for node in tree.body:
         if node in always or id(node) in reached:
-            docstrings = _docstring_lines(node)
+            skipped = _docstring_lines(node) | _check_call_lines(node)
             first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
             for number in range(first, node.end_lineno + 1):
                 line = lines[number - 1][: comments.get(number)].rstrip()
-                if line and number not in docstrings:
+                if line and number not in skipped:
                     kept.append(line)
     return "\n".join(kept)
+
+
+def _check_call_lines(node: ast.stmt) -> set[int]:
+    """Line numbers of the statements in `node` that only call an argument check (`_check_x(...)` on its own)."""
+    found: set[int] = set()
+    for inner in ast.walk(node):
+        if isinstance(inner, ast.Expr) and isinstance(inner.value, ast.Call):
+            func = inner.value.func
+            if isinstance(func, ast.Name) and func.id.startswith(ARGUMENT_CHECK_PREFIX):
+                found.update(range(inner.lineno, inner.end_lineno + 1))
+    return found
 
 
 def _defined_names(node: ast.stmt) -> list[str]:
@@ -186,7 +207,8 @@ def _docstring_lines(node: ast.stmt) -> set[int]:
 
 
 def write_if_changed(path: Path, text: str) -> bool:
-    """Atomically write `text` to `path` unless it already holds exactly that; True if written."""
+    """Atomically write `text` to `path` unless it already holds exactly that; True if written. A new file gets the
+    mode the process's umask gives new files (mkstemp's own is 0600), a rewritten one keeps its mode."""
     if path.exists() and path.read_text() == text:
         return False
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -194,8 +216,19 @@ def write_if_changed(path: Path, text: str) -> bool:
     try:
         with os.fdopen(fd, "w") as handle:
             handle.write(text)
+        os.chmod(tmp, _file_mode(path))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return True
+
+
+def _file_mode(path: Path) -> int:
+    """The permission bits `path` has, or those a new file gets under the current umask."""
+    try:
+        return path.stat().st_mode & 0o7777
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask

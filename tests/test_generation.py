@@ -2,12 +2,13 @@
 
 import ast
 import json
+import os
 from dataclasses import replace
 
 import pytest
 
 from replaygen.build import build_spec
-from replaygen.codegen import reachable_source, render_module, template_hash
+from replaygen.codegen import reachable_source, render_module, template_hash, write_if_changed
 from replaygen.configs import BATCH_BUCKETS, STATE_TILE_KINDS, BucketConfig, KernelConfig, KernelKind, bucket_config, default_configs, module_defaults
 from replaygen.errors import ReplaygenError, UnsupportedShapeError
 from replaygen.plan import plan_module
@@ -184,6 +185,46 @@ def test_layout_option_changes_strides(mamba2):
     source = render_module(default_plan(spec, SMALL))
     assert "STATE_STRIDE_V = tl.constexpr(1)" in source and "STATE_STRIDE_K = tl.constexpr(8)" in source
     assert "STATE_SHAPE = (4, 16, 8)" in source
+
+
+def test_written_files_take_the_umask_and_keep_their_mode(tmp_path):
+    """Generated modules and records are written through a temporary file; the result is readable as any file the
+    process creates (not mkstemp's 0600), and a rewrite keeps the mode a user gave the file."""
+    previous = os.umask(0o022)
+    try:
+        path = tmp_path / "module.py"
+        assert write_if_changed(path, "a = 1\n")
+        assert path.stat().st_mode & 0o777 == 0o644
+        path.chmod(0o640)
+        assert write_if_changed(path, "a = 2\n") and path.read_text() == "a = 2\n"
+        assert path.stat().st_mode & 0o777 == 0o640
+    finally:
+        os.umask(previous)
+
+
+def test_reachable_source_leaves_argument_checks_out():
+    """Argument checks (`_check_*`) are not part of a trial's code: a stricter check, or one more call of a check,
+    leaves the key as it was; a check's result that the code uses stays in (its call is not on its own)."""
+    source = '''def _check_shape(x):
+    if x.dim() != 2:
+        raise ValueError("x must be 2-D")
+    return x.shape[0]
+
+
+def launch(x):
+    n = _check_shape(x)
+    return kernel(x, n)
+
+
+def kernel(x, n):
+    return x * n
+'''
+    kept = reachable_source(source, ("launch",))
+    assert kept == "def launch(x):\n    n = _check_shape(x)\n    return kernel(x, n)\ndef kernel(x, n):\n    return x * n"
+    stricter = source.replace("    return x.shape[0]", "    if not x.is_contiguous():\n        raise ValueError('x')\n    return x.shape[0]")
+    called = stricter.replace("def launch(x):\n", "def launch(x):\n    _check_shape(\n        x)\n")
+    assert reachable_source(called, ("launch",)) == kept
+    assert reachable_source(source.replace("x * n", "x + n"), ("launch",)) != kept
 
 
 def test_reachable_source_keeps_what_the_roots_run():

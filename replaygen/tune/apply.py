@@ -262,6 +262,9 @@ def _pick(
 
     for batch, entries in sorted(eligible.items()):
         for trial, found in sorted(entries, key=lambda entry: speed_rank(entry[0])):
+            if trial.key.checks_in_source:
+                pick.skipped[(Mismatch.SOURCE, "keyed with the module's argument checks (a record of format 1 or 2)")] += 1
+                continue
             if not applies(trial):
                 sha, why = current[trial.config]
                 if sha is None:

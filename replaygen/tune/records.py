@@ -4,10 +4,10 @@ One JSON file per spec and shape and GPU: `tune/<gpu>/<spec>_<shape>.json`, hold
 measured trial (winners and losers, failures as such) with raw timings. Each trial carries
 
 - its kernel key: the sha256 of the code the trial ran (`TIMED_ENTRY_POINTS`: the part of the
-  rendered candidate module that the timed functions reach, without comments and docstrings;
-  `codegen.reachable_source`), so edits to other kernels, comments or docstrings leave the record
-  applicable, plus the template, spec and shape hashes it was rendered from (provenance; a changed
-  spec or shape also stops it matching);
+  rendered candidate module that the timed functions reach, without comments, docstrings and argument
+  checks; `codegen.reachable_source`), so edits to other kernels, comments, docstrings or the checks of
+  bad input leave the record applicable, plus the template, spec and shape hashes it was rendered from
+  (provenance; a changed spec or shape also stops it matching);
 - its environment: GPU name (the records folder, e.g. h100), device name and compute
   capability, the Triton version string (`triton.__version__`; not a hash of Triton's files)
   and the replaygen version.
@@ -37,10 +37,12 @@ from replaygen.errors import TuningRecordError
 from replaygen.plan import plan_module
 from replaygen.spec.model import Spec, TargetShape
 
-# Format 2 keys a trial by the spec's content (spec_content_sha256); format 1 by the spec file's bytes, still read
-# (such a trial applies while the spec file is byte for byte the one it was tuned with).
-RECORD_FORMAT = 2
-READABLE_FORMATS = (1, 2)
+# Format 3 keys a trial's code without the module's argument checks (codegen.ARGUMENT_CHECK_PREFIX). Formats 1 and 2
+# hashed them with the rest, so their trials (KernelKey.checks_in_source) match no code now and are kept to be timed
+# again (`tune --recorded`). Format 2 keys a trial by the spec's content (spec_content_sha256); format 1 by the spec
+# file's bytes.
+RECORD_FORMAT = 3
+READABLE_FORMATS = (1, 2, 3)
 # The module functions a trial of each kind runs (replaygen.measure's workloads: allocation, then the timed step);
 # a trial's key hashes the code they reach.
 TIMED_ENTRY_POINTS: dict[KernelKind, tuple[str, ...]] = {
@@ -109,6 +111,7 @@ class KernelKey:
     spec_content_sha256: str  # spec_content_sha256(spec): a shape added to the spec or an edited comment leaves it as it was
     shape_sha256: str
     spec_file_sha256: str = ""  # records of format 1 name the spec file's bytes instead (spec_content_sha256 empty)
+    checks_in_source: bool = False  # keyed before format 3: source_sha256 also covers the argument checks
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,6 +176,19 @@ class TrialTiming:
         """From a measure.Timing (or anything with its fields)."""
         return cls(float(timing.median_ms), float(timing.p20_ms), float(timing.p80_ms), int(timing.samples))
 
+    @classmethod
+    def from_dict(cls, raw: dict) -> TrialTiming:
+        """As a record file holds it: times finite and positive (ms), at least one sample."""
+        if not isinstance(raw, dict) or set(raw) != {"median_ms", "p20_ms", "p80_ms", "samples"}:
+            raise TypeError(f"expected a timing with median_ms, p20_ms, p80_ms and samples, got {raw!r}")
+        times = [_number(raw[name]) for name in ("median_ms", "p20_ms", "p80_ms")]
+        if not all(math.isfinite(t) and t > 0 for t in times):
+            raise ValueError(f"times must be finite and positive, got {times}")
+        samples = _int(raw["samples"])
+        if samples < 1:
+            raise ValueError(f"samples must be at least 1, got {samples}")
+        return cls(*times, samples)
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrialRecord:
@@ -210,6 +226,8 @@ class TrialRecord:
 
     def _key_dict(self) -> dict[str, object]:
         key = {**asdict(self.key), "kind": self.key.kind.value}
+        if not key["checks_in_source"]:
+            del key["checks_in_source"]
         legacy = key.pop("spec_file_sha256")
         if legacy:
             del key["spec_content_sha256"]
@@ -217,9 +235,13 @@ class TrialRecord:
         return key
 
     @classmethod
-    def from_dict(cls, raw: dict) -> TrialRecord:
+    def from_dict(cls, raw: dict, record_format: int = RECORD_FORMAT) -> TrialRecord:
+        """A trial as `as_dict` wrote it into a record file of `record_format`."""
         key = dict(raw["key"])
         timing = raw["timing"]
+        status = TrialStatus(raw["status"])
+        if status is TrialStatus.OK and timing is None:
+            raise ValueError("a trial that ran (status ok) has no timing")
         return cls(
             id=_text(raw["id"]),
             study=_text(raw["study"]),
@@ -232,11 +254,12 @@ class TrialRecord:
                 spec_content_sha256=_text(key["spec_content_sha256"]) if "spec_content_sha256" in key else "",
                 spec_file_sha256="" if "spec_content_sha256" in key else _text(key["spec_sha256"]),
                 shape_sha256=_text(key["shape_sha256"]),
+                checks_in_source=record_format < 3 or _bool(key.get("checks_in_source", False)),
             ),
             environment=Environment(**{k: _text(v) for k, v in dict(raw["environment"]).items()}),
             activation_dtype=_text(raw["activation_dtype"]),
-            status=TrialStatus(raw["status"]),
-            timing=None if timing is None else TrialTiming(**dict(timing)),
+            status=status,
+            timing=None if timing is None else TrialTiming.from_dict(timing),
             error=_text(raw["error"]),
         )
 
@@ -280,6 +303,12 @@ def _int(value: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"expected an integer, got {value!r}")
     return value
+
+
+def _number(value: object) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"expected a number, got {value!r}")
+    return float(value)
 
 
 def _text(value: object) -> str:
@@ -331,19 +360,24 @@ def record_path(tune_dir: Path, gpu: str, spec: Spec, shape: TargetShape) -> Pat
 def read_records(path: Path) -> RecordFile:
     """Parse a record file; TuningRecordError naming it if it is truncated or malformed."""
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise TuningRecordError(f"{path}: cannot read tuning record: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise TuningRecordError(f"{path}: not a tuning record (not UTF-8 text at byte {exc.start}); restore it from git or delete it") from None
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as exc:
         raise TuningRecordError(f"{path}: corrupt or truncated tuning record (line {exc.lineno}, column {exc.colno}: {exc.msg}); restore it from git or delete it") from None
     if not isinstance(raw, dict) or raw.get("format") not in READABLE_FORMATS:
-        raise TuningRecordError(f"{path}: not a tuning record of format {' or '.join(map(str, READABLE_FORMATS))}")
+        formats = ", ".join(map(str, READABLE_FORMATS[:-1]))
+        raise TuningRecordError(f"{path}: not a tuning record of format {formats} or {READABLE_FORMATS[-1]}")
+    if not isinstance(raw.get("trials"), list):
+        raise TuningRecordError(f"{path}: malformed tuning record (its 'trials' must be a list, got {raw.get('trials')!r})")
     trials = []
-    for index, trial in enumerate(raw.get("trials", ())):
+    for index, trial in enumerate(raw["trials"]):
         try:
-            trials.append(TrialRecord.from_dict(trial))
+            trials.append(TrialRecord.from_dict(trial, raw["format"]))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise TuningRecordError(f"{path}: trial {index} is malformed ({type(exc).__name__}: {exc})") from None
     try:
