@@ -183,6 +183,19 @@ class TestApiErrors:
         with pytest.raises(TypeError, match="slots must be an int32 tensor"):
             small.decode(state, torch.zeros(2, dtype=torch.int64, device=DEVICE), **step_inputs(2, 0), **WEIGHTS)
 
+    def test_strided_slots_are_refused(self, small):
+        """A column of a [batch, k] index table (vLLM's speculative layout) is a strided view: the kernels read row b
+        at offset b, so it would hand a padding row another row's slot. Refused before any launch, state untouched."""
+        state = small.allocate(4, DEVICE, torch.float32)
+        before = state.checkpoint.clone()
+        table = torch.tensor([[1, 3], [-1, 2]], dtype=torch.int32, device=DEVICE)
+        with pytest.raises(ValueError, match=r"slots must be contiguous \(stride 1, got 2\): pass slots.contiguous\(\)"):
+            small.decode(state, table[:, 0], **step_inputs(2, 0), **WEIGHTS)
+        with pytest.raises(ValueError, match="slots must be contiguous"):
+            small.materialize(state, table[:, 0])
+        assert torch.equal(state.checkpoint, before)
+        small.decode(state, table[:, 0].contiguous(), **step_inputs(2, 0), **WEIGHTS)
+
     def test_validate_slots(self, small):
         """`validate_slots` names slots past the allocation and slots given to two rows; padding may repeat."""
         small.validate_slots(torch.tensor([2, -1, 0, -1], dtype=torch.int32, device=DEVICE), 3)

@@ -294,6 +294,27 @@ class TestApiErrors:
         with pytest.raises(ValueError, match="accepted counts must be in 0..4"):
             kernels.commit(state, torch.zeros(1, dtype=torch.int32, device=DEVICE), torch.full((1,), 5, dtype=torch.int32, device=DEVICE), validate=True)
 
+    def test_strided_accepted_is_refused(self, kernels):
+        state = kernels.allocate(2, DEVICE, torch.float32)
+        counts = torch.tensor([[1, 4], [3, 4]], dtype=torch.int32, device=DEVICE)
+        with pytest.raises(ValueError, match=r"accepted must be contiguous \(stride 1, got 2\)"):
+            kernels.commit(state, torch.arange(2, dtype=torch.int32, device=DEVICE), counts[:, 0])
+
+    def test_baseline_commit_checks_current(self, kernels):
+        """`current` (the committed snapshot per slot) is checked as baseline_verify checks it: int32, one per slot,
+        packed."""
+        slots, accepted = torch.arange(2, dtype=torch.int32, device=DEVICE), torch.ones(2, dtype=torch.int32, device=DEVICE)
+        with pytest.raises(TypeError, match=r"current must be an int32 tensor \[slots\], got tensor \(4,\) torch.float32"):
+            kernels.baseline_commit(torch.zeros(4, device=DEVICE), slots, accepted)
+        with pytest.raises(ValueError, match="current must be contiguous"):
+            kernels.baseline_commit(torch.zeros(4, 2, dtype=torch.int32, device=DEVICE)[:, 0], slots, accepted)
+        snapshots, current = kernels.allocate_snapshots(3, DEVICE)
+        h, g, p, n = SPEC_SHAPE.heads, SPEC_SHAPE.key_heads, SPEC_SHAPE.value_dim, SPEC_SHAPE.key_dim
+        window = dict(x=torch.randn(2, 4, h, p, device=DEVICE), B=torch.randn(2, 4, g, n, device=DEVICE), C=torch.randn(2, 4, g, n, device=DEVICE),
+                      dt=torch.randn(2, 4, h, device=DEVICE), A_log=torch.zeros(h, device=DEVICE), dt_bias=torch.zeros(h, device=DEVICE), D=torch.zeros(h, device=DEVICE))
+        with pytest.raises(ValueError, match="current has 2 slots, the snapshots 3"):
+            kernels.baseline_verify(snapshots, current[:2], slots, **window)
+
     def test_baseline_accepted_at_least_one(self, kernels):
         _, current = kernels.allocate_snapshots(1, DEVICE)
         with pytest.raises(ValueError, match="accepted counts must be in 1..4"):
