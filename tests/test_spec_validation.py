@@ -11,6 +11,7 @@ from replaygen.spec.model import CacheField, DecayForm, UpdateKind
 
 ROOT = Path(__file__).resolve().parent.parent
 MAMBA2 = (ROOT / "specs" / "mamba2.yaml").read_text()
+GDN = (ROOT / "specs" / "gdn.yaml").read_text()
 
 
 def edit(old: str, new: str, text: str = MAMBA2) -> str:
@@ -79,7 +80,27 @@ def test_name_must_not_be_keyword():
 
 
 def test_name_must_not_be_reserved():
-    rejects(edit("skip: D           # [H]", "skip: state"), "readout.skip", "reserved by the generated API")
+    rejects(edit("skip: D           # [H]", "skip: state"), "readout.skip", "the generated module uses 'state' itself")
+
+
+@pytest.mark.parametrize(
+    "name, clash",
+    [(name, f"kernel parameter '{name}_ptr' collides") for name in ("cursor", "ckpt", "pending", "clock", "buf_key", "buf_value")]
+    + [
+        (name, f"the generated module uses '{name}' itself")
+        for name in ("scores", "current", "snapshots", "readouts", "lead", "act", "tokens", "pdl", "split", "block_v", "batch", "grid", "STATE_SHAPE", "ACTIVATION_DTYPES")
+    ]
+    + [(name, f"shadow the python builtin '{name}'") for name in ("max", "isinstance")],
+)
+def test_name_must_not_clash_with_generated_code(name, clash):
+    text = edit("value: v          # [batch, HV, V]", f"value: {name}", GDN)
+    err = rejects(text, "inputs.value", f"'{name}' cannot name an input or weight: ")
+    assert clash in err.message and err.line == line_of(text, f"value: {name}")
+
+
+def test_shipped_spec_names_do_not_clash():
+    for text in (MAMBA2, GDN):
+        load_spec_text(text, "shipped.yaml")  # x (a kernel local of _softplus) and k (of the flush kernel) stay usable
 
 
 def test_names_must_be_distinct():
@@ -167,8 +188,58 @@ def test_shape_name_rules():
     rejects(edit("nemotron-h-tp8:", "Nemotron_TP8:"), "shapes.Nemotron_TP8", "lowercase letters")
 
 
+def test_shape_name_has_no_trailing_newline():
+    rejects(edit("  nemotron-h-tp8:", '  "nemotron-h-tp8\\n":'), "shapes.nemotron-h-tp8\n", "lowercase letters")
+
+
+def test_shape_identifiers_must_be_distinct():
+    sizes = "{heads: 16, key_heads: 1, value_dim: 64, key_dim: 128}"
+    text = edit("  nemotron-h-tp8:", f"  s-2: {sizes}\n  s.2: {sizes}\n  nemotron-h-tp8:")
+    err = rejects(text, "shapes.s.2", f"shapes 's-2' (line {line_of(text, 's-2:')}) and 's.2' both become 's_2'")
+    assert err.line == line_of(text, "s.2:")
+
+
 def test_dimension_out_of_range():
     rejects(edit("nemotron-h-tp8: {heads: 16, key_heads: 1, value_dim: 64, key_dim: 128}", "nemotron-h-tp8: {heads: 16, key_heads: 1, value_dim: 64, key_dim: 512}"), "shapes.nemotron-h-tp8.key_dim", "must be between 1 and 256")
+
+
+def test_leading_zero_is_decimal():
+    spec = load_spec_text(edit("capacity: 16      # L", "capacity: 016"), "a.yaml")
+    assert spec.shape("nemotron-h").capacity == 16  # YAML 1.1 reads 016 as octal 14
+
+
+def test_no_sexagesimal_numbers():
+    rejects(edit("nemotron-h:     {heads: 128,", "nemotron-h:     {heads: 1:00,"), "shapes.nemotron-h.heads", "expected an integer, got a string")
+
+
+def test_floats_of_yaml_1_2():
+    for written, value in (("1e-6", 1e-6), (".5", 0.5), ("5E-1", 0.5), ("+1.", 1.0)):
+        assert load_spec_text(edit("eps: 1.0e-6}", f"eps: {written}}}", GDN), "a.yaml").key.eps == value
+    rejects(edit("eps: 1.0e-6}", "eps: -.inf}", GDN), "key.eps", "must be between 0.0 and 1.0, got -inf")
+
+
+def test_yaml_1_1_booleans_are_strings():
+    rejects(edit("optional: true", "optional: yes"), "readout.gate.optional", "expected true or false, got a string")
+
+
+def test_anchors_and_aliases_rejected():
+    text = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(f"{b}: &{b} [{', '.join(['*' + a] * 9)}]\n" for a, b in zip("abcdefgh", "bcdefghi"))
+    err = rejects(text, "", "anchor &a: anchors and aliases are not allowed")
+    assert err.line == 1
+    text = edit("capacity: 16      # L", "capacity: *L")
+    err = rejects(text, "", "alias *L: anchors and aliases are not allowed")
+    assert err.line == line_of(text, "capacity: *L")
+
+
+def test_deep_nesting_rejected():
+    err = rejects("[" * 5000, "", "nested deeper than 32 levels")
+    assert err.line == 1
+
+
+def test_nul_byte_has_line():
+    text = edit("spec_version: 1", "spec_version: 1\x00")
+    err = rejects(text, "", "character #x0000 is not allowed")
+    assert err.line == line_of(text, "spec_version")
 
 
 def test_empty_file():
@@ -179,6 +250,15 @@ def test_empty_file():
 def test_unreadable_file(tmp_path):
     with pytest.raises(SpecError, match="cannot read spec file"):
         load_spec(tmp_path / "missing.yaml")
+
+
+def test_spec_file_must_be_utf8(tmp_path):
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes(b"spec_version: 1\nname: \xe9\n")
+    with pytest.raises(SpecError) as info:
+        load_spec(bad)
+    assert info.value.file == str(bad) and info.value.line == 2
+    assert "not UTF-8 text: byte 0xe9 at offset 22" in info.value.message
 
 
 def test_values_are_never_evaluated():
