@@ -21,11 +21,41 @@ if TYPE_CHECKING:
 DEFAULT_BATCHES = ",".join(map(str, BATCH_BUCKETS))
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+DTYPE_FLAGS = {name: flag for flag, name in DTYPES.items()}
+DTYPE_HELP = "activation dtype, one of the spec's activations (default: bf16, else the spec's first)"
+
+# Options that name a GPU folder of tuning records or modules (dest: flag), held to build.GPU_NAME.
+GPU_OPTIONS = {"gpu": "--gpu", "recorded_gpu": "--recorded-gpu"}
 
 
 def _add_spec(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("spec", help="spec file, e.g. specs/mamba2.yaml")
     parser.add_argument("--shape", action="append", metavar="NAME", help="target shape of the spec (repeatable; default: all)")
+
+
+def _add_int(parser: argparse.ArgumentParser, flag: str, minimum: int, **kwargs) -> None:
+    """Add an integer option; `_check_minimums` refuses a value below `minimum`, naming `flag`."""
+    action = parser.add_argument(flag, type=int, **kwargs)
+    parser.set_defaults(minimums={**(parser.get_default("minimums") or {}), action.dest: (flag, minimum)})
+
+
+def _check_minimums(args: argparse.Namespace) -> None:
+    """ReplaygenError naming the first integer option (`_add_int`) below its minimum (each value of a repeated one)."""
+    for dest, (flag, minimum) in getattr(args, "minimums", {}).items():
+        value = getattr(args, dest)
+        for item in value if isinstance(value, list) else [value]:
+            if item is not None and item < minimum:
+                raise ReplaygenError(f"{flag} must be at least {minimum}, got {item}")
+
+
+def _check_gpu_options(args: argparse.Namespace) -> None:
+    """ReplaygenError unless every GPU name given (GPU_OPTIONS) can name a records or modules folder, as build requires."""
+    given = {flag: getattr(args, dest) for dest, flag in GPU_OPTIONS.items() if getattr(args, dest, None) is not None}
+    if given:
+        from replaygen.build import check_gpu_name
+
+        for flag, name in given.items():
+            check_gpu_name(name, flag)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         "leave out the replay-decode configs that gather the rows' flushes on a few steps of a shared clock "
         "(align_flushes): every step then costs about the same, 1-12%% more on average on the H100 (docs/perf.md "
         "entries 28, 29)"))
-    p.add_argument("--flush-groups", type=int, default=DEFAULT_FLUSH_GROUPS, metavar="N", help=(
+    _add_int(p, "--flush-groups", 1, default=DEFAULT_FLUSH_GROUPS, metavar="N", help=(
         "aligned flushes: the slots form N groups (slot %% N) that flush on N evenly spaced steps of the clock "
         "(default: %(default)s; each flushing step then costs about one baseline step on the H100, the same average "
         "as 1, where one step flushes every row at about 1.4x a baseline step; docs/perf.md entry 29)"))
@@ -55,14 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
         "both replay routes, with padding rows and sequences that flush on different steps. Uses the GPU when there "
         "is one, else the Triton interpreter on the CPU (there, shapes are reduced unless --full)."))
     _add_spec(p)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="activation dtype (default: fp32 on CPU, bf16 on GPU)")
-    p.add_argument("--batch", type=int, default=3, help="batch rows (default: 3)")
-    p.add_argument("--cycles", type=int, default=3, help="flush cycles per sequence (default: 3)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help=(
+        "activation dtype, one of the spec's activations (default: fp32 on CPU, bf16 on GPU, else the spec's first the device runs)"))
+    _add_int(p, "--batch", 1, default=3, help="batch rows (default: 3)")
+    _add_int(p, "--cycles", 1, default=3, help="flush cycles per sequence (default: 3)")
     p.add_argument("--full", action="store_true", help="check the full shapes on the CPU too (slow under the interpreter)")
     p.add_argument("--gpu", default=None, help=(
         "check every config `build --gpu GPU` bakes from TUNE_DIR instead of the defaults: one module per bucket position "
         "of the dispatch tables, each config run at --batch rows (needs a CUDA GPU; kernels without records keep their defaults)"))
-    p.add_argument("--bucket", type=int, action="append", metavar="K", help=(
+    _add_int(p, "--bucket", 1, action="append", metavar="K", help=(
         "with --gpu: check only bucket position K (1-based, repeatable; default: every position), so that one shape's "
         "positions can run in separate processes"))
     p.add_argument("--tune-dir", default="tune", type=Path, help="tuning records folder for --gpu (default: tune)")
@@ -78,11 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
         f"architecture ({', '.join(ARCHITECTURES)}; default: the compute capability the --gpu records were tuned on, else sm_90)"))
     p.add_argument("--gpu", default=None, help="compile the configs `build --gpu GPU` bakes from TUNE_DIR (default: the documented defaults)")
     p.add_argument("--tune-dir", default="tune", type=Path, help="tuning records folder for --gpu (default: tune)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation dtype (default: bf16)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help=DTYPE_HELP)
 
     p = sub.add_parser("show", help="buffer layout, bytes per step, memory per slot, speedup bound", description="Print what the spec derives for each shape: the replay-buffer layout, the traffic model and memory per slot.")
     _add_spec(p)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation dtype (default: bf16)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help=DTYPE_HELP)
 
     p = sub.add_parser("bench", help="time baseline vs replay decode on the GPU", description=(
         "Time baseline and replay decode side by side in one process on the same inputs: cold state (layer states "
@@ -90,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
         "and the fraction of the measured copy bandwidth."))
     _add_spec(p)
     p.add_argument("--batch", default=DEFAULT_BATCHES, help=f"comma-separated batch sizes (default: {DEFAULT_BATCHES})")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation dtype (default: bf16)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help=DTYPE_HELP)
     p.add_argument("--sweep", action="store_true", help="also time a small grid of launch configs and keep the best")
     p.add_argument("--T", dest="windows", default="2,4,6,8", help="speculative windows to time verify at (default: 2,4,6,8; '' to skip)")
     p.add_argument("--L", dest="capacities", default="", help="buffer capacities L to sweep replay decode over, e.g. 4,8,16,32 (default: none)")
@@ -113,15 +144,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_spec(p)
     p.add_argument("--batch", default=DEFAULT_BATCHES, help=f"comma-separated batch sizes, the upper edges of the dispatch buckets (default: {DEFAULT_BATCHES})")
     p.add_argument("--kernels", default=",".join(k.value for k in TUNABLE), help=f"comma-separated kernels to tune (default: {','.join(k.value for k in TUNABLE)})")
-    p.add_argument("--trials", type=int, default=30, help="Optuna trials per shape, kernel and batch size (default: 30)")
+    _add_int(p, "--trials", 1, default=30, help="Optuna trials per shape, kernel and batch size (default: 30)")
     p.add_argument("--exhaustive", action="store_true", help="time every candidate of the space instead (for small spaces and for checking the search)")
     p.add_argument("--fix", action="append", default=[], metavar="NAME=VALUE", help="restrict a parameter to one value, e.g. flush_at=16 (repeatable)")
     p.add_argument("--storage", default=None, metavar="URL", help="Optuna storage URL shared by several processes or hosts (default: the journal file OUT/GPU/optuna.journal)")
     p.add_argument("--gpu", default=None, help="GPU name the records are filed under (default: from the device name, e.g. h100)")
     p.add_argument("--out", default="tune", type=Path, help="records folder (default: tune)")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="stop starting trials after this long; each search gets an equal share of the time left")
-    p.add_argument("--seed", type=int, default=0, help="sampler seed (default: 0)")
-    p.add_argument("--recorded", type=int, default=0, metavar="K", help=(
+    _add_int(p, "--seed", 0, default=0, help="sampler seed (default: 0)")
+    _add_int(p, "--recorded", 0, default=0, metavar="K", help=(
         "search nothing: time again the K fastest configs the records in OUT hold for each search, each config ranked by "
         "its latest trial, of earlier kernel code too (re-validates the winners after a kernel change); --fix NAME=VALUE "
         "sets that parameter in them"))
@@ -137,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--retime", action="store_true", help=(
         "with --exhaustive or --recorded, time every candidate again even where OUT holds its trial (crashed ones excepted); "
         "the new trial supersedes the old one in the records"))
-    p.add_argument("--compile-workers", type=int, default=None, metavar="N", help=(
+    _add_int(p, "--compile-workers", 0, default=None, metavar="N", help=(
         "with --exhaustive or --recorded, processes that compile each search's candidates ahead of the GPU (default: the CPUs "
         "less two; 0: off)"))
 
@@ -151,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
+        _check_minimums(args)
+        _check_gpu_options(args)
         return COMMANDS[args.command](args)
     except ReplaygenError as exc:
         print(f"replaygen {args.command}: error: {exc}", file=sys.stderr)
@@ -192,7 +225,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         require_interpreter_support()
     spec = load_spec(args.spec)
     device = "cuda" if has_gpu else "cpu"
-    dtype = getattr(torch, DTYPES[args.dtype or ("bf16" if has_gpu else "fp32")])
+    dtype = getattr(torch, DTYPES[_activation_dtype(spec, args.dtype, "bf16" if has_gpu else "fp32", _device_dtypes(has_gpu))])
     failed = 0
     for shape in select_shapes(spec, args.shape):
         run_shape = shape
@@ -218,6 +251,32 @@ def cmd_check(args: argparse.Namespace) -> int:
                 failed += not report.ok
     print("all checks passed" if not failed else f"{failed} check(s) FAILED")
     return 1 if failed else 0
+
+
+def _activation_dtype(spec: Spec, requested: str | None, usual: str, runnable: tuple[str, ...] = tuple(DTYPES)) -> str:
+    """The --dtype a verb runs `spec` at: `requested`, refused unless among the spec's activations; by default `usual`
+    where the spec supports it, else the spec's first activation in `runnable` (those the device can run)."""
+    supported = [DTYPE_FLAGS[act.value] for act in spec.activations]
+    listed = ", ".join(act.value for act in spec.activations)
+    if requested is not None:
+        if requested not in supported:
+            raise ReplaygenError(f"--dtype {requested} ({DTYPES[requested]}): {spec.source_file} supports activations {listed} only")
+        return requested
+    if usual in supported:
+        return usual
+    for name in supported:
+        if name in runnable:
+            return name
+    raise ReplaygenError(f"{spec.source_file}: this device runs none of its activations ({listed})")
+
+
+def _device_dtypes(has_gpu: bool) -> tuple[str, ...]:
+    """The --dtype values this machine runs the kernels at: all under the interpreter; on the GPU bf16 only where supported."""
+    import torch
+
+    if has_gpu and not torch.cuda.is_bf16_supported():
+        return tuple(name for name in DTYPES if name != "bf16")
+    return tuple(DTYPES)
 
 
 def _check_variants(spec, shape, args: argparse.Namespace) -> list[tuple[str, dict | None]]:
@@ -258,6 +317,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from replaygen.tune.apply import resolve_configs
 
     spec = load_spec(args.spec)
+    dtype = _activation_dtype(spec, args.dtype, "bf16")
     headers, jobs = [], []
     for shape in select_shapes(spec, args.shape):
         source, notes, arch = "the documented defaults", (), architecture(args.arch or "sm_90")
@@ -267,8 +327,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
             source, notes, tables = f"the configs of {args.gpu} ({resolved.source})", resolved.notes, resolved.configs
             if args.arch is None:
                 arch = _records_architecture(spec, shape, args.gpu, args.tune_dir) or arch
-        headers.append([f"{spec.name}/{shape.name} for {arch.name}, {args.dtype} activations, {source}", *(f"  {note}" for note in notes)])
-        jobs.append(compile_job(spec, shape, tables, arch, DTYPES[args.dtype]))
+        headers.append([f"{spec.name}/{shape.name} for {arch.name}, {dtype} activations, {source}", *(f"  {note}" for note in notes)])
+        jobs.append(compile_job(spec, shape, tables, arch, DTYPES[dtype]))
     reports = compile_modules(jobs)
     for header, report in zip(headers, reports):
         print("\n".join(header + report.lines()))
@@ -311,7 +371,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     from replaygen.traffic import baseline_decode_bytes, entry_bytes, replay_decode_bytes, slot_memory, speedup_bound
 
     spec = load_spec(args.spec)
-    act = DType(DTYPES[args.dtype])
+    act = DType(DTYPES[_activation_dtype(spec, args.dtype, "bf16")])
     print(f"spec {spec.name} ({spec.source_file}, sha256 {spec.source_sha256[:12]}): {spec.description}")
     print(f"  update {spec.update.kind.value}, decay per {spec.decay.granularity.value}, state {spec.state.dtype.value} {spec.state.layout.value}, activations {act.value}")
     for shape in select_shapes(spec, args.shape):
@@ -412,7 +472,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ReplaygenError(f"--L values must be at least 2 (the kernels need L >= 2T), got '{args.capacities}'")
     capacity_batches = _int_list("--L-batch", args.capacity_batches) if args.capacity_batches else None
     shapes = select_shapes(spec, args.shape)
-    act_dtype = getattr(torch, DTYPES[args.dtype])
+    act_dtype = getattr(torch, DTYPES[_activation_dtype(spec, args.dtype, "bf16", _device_dtypes(has_gpu=True))])
     tuned = None
     if args.gpu:
         from replaygen.bench import TORCH_TO_DTYPE, verify_shape
@@ -450,6 +510,8 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def cmd_tune(args: argparse.Namespace) -> int:
     import torch
 
+    if args.timeout is not None and not args.timeout > 0:
+        raise ReplaygenError(f"--timeout must be positive, got {args.timeout}")
     if not torch.cuda.is_available():
         raise ReplaygenError("tune needs a CUDA GPU (none found): it times every candidate on the GPU it tunes for")
     from replaygen.build import select_shapes
@@ -463,10 +525,6 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise ReplaygenError(f"--kernels takes {','.join(k.value for k in TUNABLE)}, got '{args.kernels}'") from None
     if not kinds or not set(kinds) <= set(TUNABLE):
         raise ReplaygenError(f"--kernels takes {','.join(k.value for k in TUNABLE)}, got '{args.kernels}'")
-    if args.trials < 1:
-        raise ReplaygenError(f"--trials must be positive, got {args.trials}")
-    if args.recorded < 0:
-        raise ReplaygenError(f"--recorded must be positive, got {args.recorded}")
     if args.recorded and args.exhaustive:
         raise ReplaygenError("--recorded and --exhaustive exclude each other (the first times recorded configs, the second every candidate)")
     if args.recorded_from and not args.recorded:
@@ -475,8 +533,6 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise ReplaygenError("--recorded-gpu needs --recorded K (the number of its fastest configs to time)")
     if args.retime and not (args.exhaustive or args.recorded):
         raise ReplaygenError("--retime needs --exhaustive or --recorded (an Optuna search steers by the values its journal already holds)")
-    if args.compile_workers is not None and args.compile_workers < 0:
-        raise ReplaygenError(f"--compile-workers must be 0 or more, got {args.compile_workers}")
     fixed = []
     for item in args.fix:
         name, sep, value = item.partition("=")

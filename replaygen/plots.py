@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,21 @@ Row = dict[str, Any]
 PANEL_COLUMNS = 3
 # Legend text of the verify acceptance patterns (measure.VerifyWorkload).
 ACCEPT_LABELS = {"all": "all accepted", "staggered": "all accepted, flushes staggered", "random": "random acceptance"}
+# Names the spec loader allows, matched whole: a spec's and a shape's name form the PNG file names, so a JSON whose
+# names are anything else (e.g. "../x") is refused rather than let write outside the output folder.
+SPEC_NAME = re.compile(r"[a-z][a-z0-9_]*")
+SHAPE_NAME = re.compile(r"[a-z0-9][a-z0-9.-]*")
+NUMBER = (int, float)
+# The fields the plots read from each section's rows (bench.DecodeRow, CapacityRow, VerifyRow), and their types; a
+# verify row's decode_shape (see _shape_of) is checked where there is one.
+ROW_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
+    "decode": {"shape": str, "batch": int, "kernel": str, "flush_at": int, "speedup": NUMBER, "bandwidth_fraction": NUMBER},
+    "capacity_sweep": {"shape": str, "batch": int, "capacity": int, "timing": dict, "model_ms": NUMBER, "baseline_ms": NUMBER,
+                       "baseline_model_ms": NUMBER},
+    "verify": {"shape": str, "batch": int, "tokens": int, "kernel": str, "accept": str, "vs_decode": NUMBER, "vs_baseline_verify": NUMBER,
+               "bandwidth_fraction": NUMBER},
+}
+TIMING_FIELDS = ("median_ms", "p20_ms", "p80_ms")
 
 
 class MatplotlibMissing(ReplaygenError):
@@ -45,11 +61,12 @@ def require_matplotlib() -> None:
 def plot_bench(json_path: Path, out_dir: Path | None = None) -> list[Path]:
     """Write every plot the bench JSON at `json_path` has rows for; returns the PNG paths."""
     require_matplotlib()
-    if not json_path.is_file():
-        raise ReplaygenError(f"no bench JSON at {json_path}")
-    result = json.loads(json_path.read_text())
+    result = read_bench(json_path)
     out_dir = out_dir or json_path.parent
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ReplaygenError(f"{out_dir}: a file stands at it or at a folder above it, not a folder for the plots") from None
     written = []
     for shape in _shapes(result):
         for name, plot in PLOTS.items():
@@ -61,6 +78,55 @@ def plot_bench(json_path: Path, out_dir: Path | None = None) -> list[Path]:
             figure.savefig(path, dpi=120)
             written.append(path)
     return written
+
+
+def read_bench(json_path: Path) -> Row:
+    """The bench JSON at `json_path`, checked to hold what the plots read (ReplaygenError naming the file and the
+    first field missing or wrong)."""
+    if not json_path.is_file():
+        raise ReplaygenError(f"no bench JSON at {json_path}")
+    try:
+        result = json.loads(json_path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ReplaygenError(f"{json_path}: not a bench JSON ({exc})") from None
+    if not isinstance(result, dict):
+        raise ReplaygenError(f"{json_path}: not a bench JSON (the object `bench --out` writes) but {_json_type(result)}")
+    if not isinstance(result.get("spec"), str) or not SPEC_NAME.fullmatch(result["spec"]):
+        raise ReplaygenError(f"{json_path}: 'spec' missing or not a spec name (lowercase letters, digits and '_'): got {result.get('spec')!r}")
+    if "decode" not in result:
+        raise ReplaygenError(f"{json_path}: no 'decode' rows (not a JSON of `bench --out`)")
+    for section, fields in ROW_FIELDS.items():
+        rows = result.get(section, [])
+        if not isinstance(rows, list):
+            raise ReplaygenError(f"{json_path}: '{section}' must be a list of rows, got {_json_type(rows)}")
+        for index, row in enumerate(rows):
+            _check_row(row, fields, f"{json_path}: {section}[{index}]")
+    return result
+
+
+def _check_row(row: object, fields: dict[str, type | tuple[type, ...]], where: str) -> None:
+    """ReplaygenError naming `where` unless `row` is an object with `fields` of their types (shape names as the spec allows)."""
+    if not isinstance(row, dict):
+        raise ReplaygenError(f"{where}: a row must be an object, got {_json_type(row)}")
+    for field, kind in fields.items():
+        value = row.get(field)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise ReplaygenError(f"{where}: '{field}' missing or not {_type_name(kind)} (got {value!r})")
+        if field == "timing" and not all(isinstance(value.get(key), NUMBER) for key in TIMING_FIELDS):
+            raise ReplaygenError(f"{where}: 'timing' must hold the numbers {', '.join(TIMING_FIELDS)} (got {value!r})")
+    for field in ("shape", "decode_shape"):
+        if field in row and not (isinstance(row[field], str) and SHAPE_NAME.fullmatch(row[field])):
+            raise ReplaygenError(f"{where}: '{field}' must be a shape name (lowercase letters, digits, '-' and '.'), got {row[field]!r}")
+
+
+def _type_name(kind: type | tuple[type, ...]) -> str:
+    return "a number" if kind == NUMBER else {str: "a string", int: "an integer", dict: "an object"}[kind]
+
+
+def _json_type(value: object) -> str:
+    """What a parsed JSON value is, in JSON's words."""
+    kinds = ((bool, "a boolean"), (NUMBER, "a number"), (str, "a string"), (list, "an array"), (dict, "an object"))
+    return next((name for kind, name in kinds if isinstance(value, kind)), "null")
 
 
 def _shapes(result: Row) -> list[str]:

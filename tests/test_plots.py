@@ -117,3 +117,54 @@ def test_without_matplotlib(tmp_path, monkeypatch, capsys):
     assert main(["plot", str(path)]) == 2
     assert "pip install 'replaygen[plot]'" in capsys.readouterr().err
     assert not list(tmp_path.glob("*.png"))
+
+
+def row_with(section, **fields):
+    """A copy of the synthetic result whose first `section` row has `fields` (None: the field left out)."""
+    result = synthetic_result()
+    result[section][0] = {k: v for k, v in {**result[section][0], **fields}.items() if v is not None}
+    return result
+
+
+@pytest.mark.parametrize("text, message", [
+    ("not json", "not a bench JSON (Expecting value: line 1 column 1"),
+    ("[1, 2]", "not a bench JSON (the object `bench --out` writes) but an array"),
+    ("{}", "'spec' missing or not a spec name"),
+    (json.dumps({"spec": "mamba2"}), "no 'decode' rows"),
+    (json.dumps({"spec": "mamba2", "decode": {}}), "'decode' must be a list of rows, got an object"),
+    (json.dumps({"spec": "mamba2", "decode": [3]}), "decode[0]: a row must be an object, got a number"),
+    (json.dumps(row_with("decode", batch=None)), "decode[0]: 'batch' missing or not an integer (got None)"),
+    (json.dumps(row_with("capacity_sweep", timing={"median_ms": 1.0})), "capacity_sweep[0]: 'timing' must hold the numbers"),
+    (json.dumps(row_with("verify", tokens="2")), "verify[0]: 'tokens' missing or not an integer (got '2')"),
+])
+def test_plot_refuses_a_malformed_json(tmp_path, capsys, text, message):
+    """What is not a bench JSON, or lacks what the plots read, is refused naming the file and the field."""
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "bench.json"
+    path.write_text(text)
+    assert main(["plot", str(path)]) == 2
+    assert f"replaygen plot: error: {path}: {message}" in capsys.readouterr().err
+    assert not list(tmp_path.glob("*.png"))
+
+
+@pytest.mark.parametrize("result, message", [
+    ({**synthetic_result(), "spec": "../../escaped"}, "'spec' missing or not a spec name (lowercase letters, digits and '_'): got '../../escaped'"),
+    (row_with("decode", shape="../x"), "decode[0]: 'shape' must be a shape name (lowercase letters, digits, '-' and '.'), got '../x'"),
+    (row_with("verify", decode_shape="/tmp/x"), "verify[0]: 'decode_shape' must be a shape name"),
+])
+def test_plot_names_never_leave_the_out_folder(tmp_path, capsys, result, message):
+    """The PNG names come from the JSON's spec and shape names: any other than a name the spec allows is refused."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "a" / "b"
+    path = write_json(tmp_path, result)
+    assert main(["plot", str(path), "--out", str(out)]) == 2
+    assert f"{path}: {message}" in capsys.readouterr().err
+    assert not list(tmp_path.rglob("*.png"))
+
+
+def test_plot_out_must_be_a_folder(tmp_path, capsys):
+    """A file at --out is refused, not a FileExistsError."""
+    pytest.importorskip("matplotlib")
+    (tmp_path / "file").write_text("")
+    assert main(["plot", str(write_json(tmp_path, synthetic_result())), "--out", str(tmp_path / "file")]) == 2
+    assert "a file stands at it or at a folder above it" in capsys.readouterr().err

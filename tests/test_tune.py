@@ -307,7 +307,7 @@ def test_malformed_trial_is_located(mamba2, tmp_path):
     with pytest.raises(TuningRecordError, match=r"trial 0 is malformed \(ValueError"):
         read_records(path)
     path.write_text(json.dumps({"format": 99}))
-    with pytest.raises(TuningRecordError, match="not a tuning record of format 1 or 2"):
+    with pytest.raises(TuningRecordError, match="not a tuning record of format 1, 2 or 3"):
         read_records(path)
 
 
@@ -344,29 +344,58 @@ def test_aligned_trials_stand_for_the_group_count_the_build_ships(mamba2, tmp_pa
     assert one.configs[RD] == (rec.BucketConfig(None, aligned),)
 
 
-def test_format_1_records_apply_while_the_spec_file_is_unchanged(mamba2, tmp_path):
-    """Records written before the spec's content hash name the spec file's bytes: they apply to that file only."""
+@pytest.mark.parametrize("record_format", [1, 2])
+def test_records_keyed_with_the_argument_checks_are_kept_and_never_applied(mamba2, tmp_path, record_format):
+    """Records of formats 1 and 2 hashed a trial's code with the module's argument checks, so a hash of theirs matches
+    no code now: read and kept (merged writes keep them marked), never applied, and the build says why. Format 1
+    also named the spec file's bytes instead of the spec's content."""
     shape = mamba2.shape("nemotron-h")
     config = KernelConfig(block_v=32, num_warps=8, flush_at=8)
     path = write(tmp_path, mamba2, shape, [trial(mamba2, shape, RD, config, 8, 0.1)])
     raw = json.loads(path.read_text())
-    raw["format"] = 1
-    for t in raw["trials"]:
-        del t["key"]["spec_content_sha256"]
-        t["key"]["spec_sha256"] = mamba2.source_sha256
+    raw["format"] = record_format
+    if record_format == 1:
+        for t in raw["trials"]:
+            del t["key"]["spec_content_sha256"]
+            t["key"]["spec_sha256"] = mamba2.source_sha256
     path.write_text(json.dumps(raw))
-    assert read_records(path).trials[0].key.spec_file_sha256 == mamba2.source_sha256
-    assert resolve_configs(mamba2, shape, "h100", tmp_path).configs[RD] == (rec.BucketConfig(None, config),)
-    described = load_spec_text((ROOT / "specs" / "mamba2.yaml").read_text().replace("description:", "description: (edited)"), "mamba2.yaml")
-    with pytest.raises(TuningRecordError, match=r"spec changed since tuning \(spec file sha256 .* \(a record of format 1\)"):
-        resolve_configs(described, shape, "h100", tmp_path)
+    kept = read_records(path).trials[0]
+    assert kept.key.checks_in_source and kept.key.spec_file_sha256 == (mamba2.source_sha256 if record_format == 1 else "")
+    with pytest.raises(TuningRecordError, match=r"keyed with the module's argument checks \(a record of format 1 or 2\)"):
+        resolve_configs(mamba2, shape, "h100", tmp_path)
     append_trials(path, spec=mamba2.name, shape=shape.name, gpu="h100", trials=[trial(mamba2, shape, BD, KernelConfig(block_v=16), 8, 0.2)])
     rewritten = json.loads(path.read_text())
-    assert rewritten["format"] == 2 and sorted(rewritten["trials"][0]["key"]) == sorted(raw["trials"][0]["key"])
-    assert "spec_content_sha256" in rewritten["trials"][1]["key"]
+    assert rewritten["format"] == 3 and rewritten["trials"][0]["key"]["checks_in_source"] is True
+    assert "checks_in_source" not in rewritten["trials"][1]["key"]
+    assert read_records(path).trials[0].key.checks_in_source and not read_records(path).trials[1].key.checks_in_source
 
 
-# --- build with records ------------------------------------------------------------------------
+def test_timings_that_cannot_be_are_refused(mamba2, tmp_path):
+    """A record whose times are not finite positive numbers, or that holds no list of trials, is named as malformed
+    instead of being applied (a NaN or negative time would win every bucket) or read as empty."""
+    path = write(tmp_path, mamba2, SHAPE, [trial(mamba2, SHAPE, BD, KernelConfig(block_v=8), 8, 1.0)])
+    good = json.loads(path.read_text())
+    for value in (float("nan"), -1.0, 0, "fast", None):
+        raw = json.loads(json.dumps(good))
+        raw["trials"][0]["timing"]["median_ms"] = value
+        path.write_text(json.dumps(raw))
+        with pytest.raises(TuningRecordError, match=r"trial 0 is malformed"):
+            read_records(path)
+    raw = json.loads(json.dumps(good))
+    raw["trials"][0]["timing"] = None
+    path.write_text(json.dumps(raw))
+    with pytest.raises(TuningRecordError, match=r"trial 0 is malformed \(ValueError: a trial that ran \(status ok\) has no timing"):
+        read_records(path)
+    for trials in (5, None, "missing"):
+        raw = {k: v for k, v in good.items() if k != "trials" or trials != "missing"}
+        if trials != "missing":
+            raw["trials"] = trials
+        path.write_text(json.dumps(raw))
+        with pytest.raises(TuningRecordError, match=r"its 'trials' must be a list"):
+            read_records(path)
+    path.write_bytes(b"\xff\xfe{")
+    with pytest.raises(TuningRecordError, match=r"not UTF-8 text at byte 0"):
+        read_records(path)
 
 
 def table(module_path: Path, kind: KernelKind) -> list:
@@ -906,13 +935,13 @@ def test_tune_command_end_to_end_on_a_fake_gpu(tmp_path, monkeypatch, capsys):
     assert main(["tune", spec_file, "--kernels", "commit"]) == 2
     assert "--kernels takes" in capsys.readouterr().err
     assert main(["tune", spec_file, "--exhaustive", "--compile-workers", "-1"]) == 2
-    assert "--compile-workers must be 0 or more" in capsys.readouterr().err
+    assert "--compile-workers must be at least 0, got -1" in capsys.readouterr().err
     assert main(["tune", spec_file, "--retime"]) == 2
     assert "--retime needs --exhaustive or --recorded" in capsys.readouterr().err
     assert main(["tune", spec_file, "--recorded", "2", "--exhaustive"]) == 2
     assert "--recorded and --exhaustive exclude each other" in capsys.readouterr().err
     assert main(["tune", spec_file, "--recorded", "-1"]) == 2
-    assert "--recorded must be positive" in capsys.readouterr().err
+    assert "--recorded must be at least 0, got -1" in capsys.readouterr().err
     args = ["tune", spec_file, "--shape", "nemotron-h", "--kernels", "replay_decode", "--batch", "1,64", "--recorded", "1", "--compile-workers", "0", "--out", str(out)]
     assert main(args) == 0
     assert "the 1 fastest recorded configs each, timed again" in capsys.readouterr().out
