@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         "is one, else the Triton interpreter on the CPU (there, shapes are reduced unless --full)."))
     _add_spec(p)
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help=(
-        "activation dtype, one of the spec's activations (default: fp32 on CPU, bf16 on GPU, else the spec's first the device runs)"))
+        "activation dtype, one of the spec's activations (default: fp32 on CPU, bf16 on GPU, else the spec's first)"))
     _add_int(p, "--batch", 1, default=3, help="batch rows (default: 3)")
     _add_int(p, "--cycles", 1, default=3, help="flush cycles per sequence (default: 3)")
     p.add_argument("--full", action="store_true", help="check the full shapes on the CPU too (slow under the interpreter)")
@@ -225,7 +225,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         require_interpreter_support()
     spec = load_spec(args.spec)
     device = "cuda" if has_gpu else "cpu"
-    dtype = getattr(torch, DTYPES[_activation_dtype(spec, args.dtype, "bf16" if has_gpu else "fp32", _device_dtypes(has_gpu))])
+    dtype = getattr(torch, DTYPES[_activation_dtype(spec, args.dtype, "bf16" if has_gpu else "fp32")])
     failed = 0
     for shape in select_shapes(spec, args.shape):
         run_shape = shape
@@ -253,30 +253,16 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _activation_dtype(spec: Spec, requested: str | None, usual: str, runnable: tuple[str, ...] = tuple(DTYPES)) -> str:
+def _activation_dtype(spec: Spec, requested: str | None, usual: str) -> str:
     """The --dtype a verb runs `spec` at: `requested`, refused unless among the spec's activations; by default `usual`
-    where the spec supports it, else the spec's first activation in `runnable` (those the device can run)."""
+    where the spec supports it, else the spec's first activation."""
     supported = [DTYPE_FLAGS[act.value] for act in spec.activations]
-    listed = ", ".join(act.value for act in spec.activations)
+    if requested is not None and requested not in supported:
+        listed = ", ".join(act.value for act in spec.activations)
+        raise ReplaygenError(f"--dtype {requested} ({DTYPES[requested]}): {spec.source_file} supports activations {listed} only")
     if requested is not None:
-        if requested not in supported:
-            raise ReplaygenError(f"--dtype {requested} ({DTYPES[requested]}): {spec.source_file} supports activations {listed} only")
         return requested
-    if usual in supported:
-        return usual
-    for name in supported:
-        if name in runnable:
-            return name
-    raise ReplaygenError(f"{spec.source_file}: this device runs none of its activations ({listed})")
-
-
-def _device_dtypes(has_gpu: bool) -> tuple[str, ...]:
-    """The --dtype values this machine runs the kernels at: all under the interpreter; on the GPU bf16 only where supported."""
-    import torch
-
-    if has_gpu and not torch.cuda.is_bf16_supported():
-        return tuple(name for name in DTYPES if name != "bf16")
-    return tuple(DTYPES)
+    return usual if usual in supported else supported[0]
 
 
 def _check_variants(spec, shape, args: argparse.Namespace) -> list[tuple[str, dict | None]]:
@@ -472,7 +458,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ReplaygenError(f"--L values must be at least 2 (the kernels need L >= 2T), got '{args.capacities}'")
     capacity_batches = _int_list("--L-batch", args.capacity_batches) if args.capacity_batches else None
     shapes = select_shapes(spec, args.shape)
-    act_dtype = getattr(torch, DTYPES[_activation_dtype(spec, args.dtype, "bf16", _device_dtypes(has_gpu=True))])
+    act_dtype = getattr(torch, DTYPES[_activation_dtype(spec, args.dtype, "bf16")])
     tuned = None
     if args.gpu:
         from replaygen.bench import TORCH_TO_DTYPE, verify_shape
