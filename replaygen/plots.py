@@ -17,12 +17,12 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from replaygen.errors import ReplaygenError
+from replaygen.spec.loader import SHAPE_NAME, SPEC_NAME
 
 log = logging.getLogger(__name__)
 
@@ -30,10 +30,6 @@ Row = dict[str, Any]
 PANEL_COLUMNS = 3
 # Legend text of the verify acceptance patterns (measure.VerifyWorkload).
 ACCEPT_LABELS = {"all": "all accepted", "staggered": "all accepted, flushes staggered", "random": "random acceptance"}
-# Names the spec loader allows, matched whole: a spec's and a shape's name form the PNG file names, so a JSON whose
-# names are anything else (e.g. "../x") is refused rather than let write outside the output folder.
-SPEC_NAME = re.compile(r"[a-z][a-z0-9_]*")
-SHAPE_NAME = re.compile(r"[a-z0-9][a-z0-9.-]*")
 NUMBER = (int, float)
 # The fields the plots read from each section's rows (bench.DecodeRow, CapacityRow, VerifyRow), and their types; a
 # verify row's decode_shape (see _shape_of) is checked where there is one.
@@ -82,7 +78,8 @@ def plot_bench(json_path: Path, out_dir: Path | None = None) -> list[Path]:
 
 def read_bench(json_path: Path) -> Row:
     """The bench JSON at `json_path`, checked to hold what the plots read (ReplaygenError naming the file and the
-    first field missing or wrong)."""
+    first field missing or wrong). Its spec and shape names form the PNG file names, so names the spec loader would
+    refuse (e.g. "../x") are refused here too, rather than let a plot land outside the output folder."""
     if not json_path.is_file():
         raise ReplaygenError(f"no bench JSON at {json_path}")
     try:

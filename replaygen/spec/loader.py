@@ -52,6 +52,7 @@ MAX_CAPACITY = 64
 MAX_KEY_DIM = 256
 MAX_VALUE_DIM = 512
 MAX_WINDOW = 16
+SPEC_NAME = re.compile(r"[a-z][a-z0-9_]*")  # matched whole (fullmatch), as SHAPE_NAME
 SHAPE_NAME = re.compile(r"[a-z0-9][a-z0-9.-]*")
 # How the templates spell an input or weight name in generated code (macros.j2: step_params, step_args): host
 # functions take it as the parameter NAME, kernels as the pointer NAME_ptr and the strides s_NAME_b, _h and _t.
@@ -258,7 +259,7 @@ class _SpecBuilder:
             raise top["spec_version"].error(f"unsupported spec_version {version}; this replaygen reads version {SPEC_VERSION}")
         name_node = top["name"]
         name = _string(name_node)
-        if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
+        if not SPEC_NAME.fullmatch(name):
             raise name_node.error(f"spec name '{name}' must be lowercase letters, digits and '_', starting with a letter")
         description = _string(top["description"]) if top.get("description") else ""
         dims = self._dims(top.get("dims"))
