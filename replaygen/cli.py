@@ -257,12 +257,12 @@ def _activation_dtype(spec: Spec, requested: str | None, usual: str) -> str:
     """The --dtype a verb runs `spec` at: `requested`, refused unless among the spec's activations; by default `usual`
     where the spec supports it, else the spec's first activation."""
     supported = [DTYPE_FLAGS[act.value] for act in spec.activations]
-    if requested is not None and requested not in supported:
+    if requested is None:
+        return usual if usual in supported else supported[0]
+    if requested not in supported:
         listed = ", ".join(act.value for act in spec.activations)
         raise ReplaygenError(f"--dtype {requested} ({DTYPES[requested]}): {spec.source_file} supports activations {listed} only")
-    if requested is not None:
-        return requested
-    return usual if usual in supported else supported[0]
+    return requested
 
 
 def _check_variants(spec, shape, args: argparse.Namespace) -> list[tuple[str, dict | None]]:

@@ -76,6 +76,8 @@ def mismatches(trial: TrialRecord, target: BuildTarget) -> list[tuple[Mismatch, 
             found.append((Mismatch.SPEC, f"spec file sha256 {trial.key.spec_file_sha256[:12]} then, {target.spec.source_sha256[:12]} now (a record of format 1)"))
     elif trial.key.spec_content_sha256 != target.spec_content_sha256:
         found.append((Mismatch.SPEC, f"spec content sha256 {trial.key.spec_content_sha256[:12]} then, {target.spec_content_sha256[:12]} now"))
+    if trial.key.checks_in_source:
+        found.append((Mismatch.SOURCE, "keyed with the module's argument checks (a record of format 1 or 2)"))
     if trial.key.shape_sha256 != shape_sha256(target.shape):
         found.append((Mismatch.SHAPE, f"shape '{target.shape.name}' has other sizes now"))
     if env.gpu != target.gpu:
@@ -262,9 +264,6 @@ def _pick(
 
     for batch, entries in sorted(eligible.items()):
         for trial, found in sorted(entries, key=lambda entry: speed_rank(entry[0])):
-            if trial.key.checks_in_source:
-                pick.skipped[(Mismatch.SOURCE, "keyed with the module's argument checks (a record of format 1 or 2)")] += 1
-                continue
             if not applies(trial):
                 sha, why = current[trial.config]
                 if sha is None:
