@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,8 +29,19 @@ DTYPE_HELP = "activation dtype, one of the spec's activations (default: bf16, el
 GPU_OPTIONS = {"gpu": "--gpu", "recorded_gpu": "--recorded-gpu"}
 
 
+class _Commands:
+    """The subcommand parsers, each with the options every command takes (`common`)."""
+
+    def __init__(self, subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser):
+        self.subparsers = subparsers
+        self.common = common
+
+    def add_parser(self, name: str, **kwargs) -> argparse.ArgumentParser:
+        return self.subparsers.add_parser(name, parents=[self.common], **kwargs)
+
+
 def _add_spec(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("spec", help="spec file, e.g. specs/mamba2.yaml")
+    parser.add_argument("spec", help="spec file, or the name of a shipped spec (mamba2, gdn)")
     parser.add_argument("--shape", action="append", metavar="NAME", help="target shape of the spec (repeatable; default: all)")
 
 
@@ -48,37 +60,58 @@ def _check_minimums(args: argparse.Namespace) -> None:
                 raise ReplaygenError(f"{flag} must be at least {minimum}, got {item}")
 
 
-def _check_gpu_options(args: argparse.Namespace) -> None:
-    """ReplaygenError unless every GPU name given (GPU_OPTIONS) can name a records or modules folder, as build requires."""
-    given = {flag: getattr(args, dest) for dest, flag in GPU_OPTIONS.items() if getattr(args, dest, None) is not None}
-    if given:
-        from replaygen.build import check_gpu_name
+def _normalize_gpu_options(args: argparse.Namespace) -> None:
+    """Every GPU name given (GPU_OPTIONS) as records and module folders are named (lowercase), or ReplaygenError."""
+    from replaygen.paths import gpu_name
 
-        for flag, name in given.items():
-            check_gpu_name(name, flag)
+    for dest, flag in GPU_OPTIONS.items():
+        if getattr(args, dest, None) is not None:
+            setattr(args, dest, gpu_name(getattr(args, dest), flag))
+
+
+def _resolve_paths(args: argparse.Namespace) -> None:
+    """The spec file a command names (a path or a shipped spec's name), and the default folders that go with it
+    (replaygen.paths): its records for --tune-dir (tune: --out), its modules for build's --out."""
+    from replaygen.paths import RECORDS, SPECS, modules_dir, records_dir, shipped, spec_file
+
+    if getattr(args, "spec", None) is not None:
+        args.spec = spec_file(args.spec)
+        if hasattr(args, "tune_dir") and args.tune_dir is None:
+            args.tune_dir = records_dir(args.spec)
+        if args.command == "build" and args.out is None:
+            args.out = modules_dir(args.spec)
+        if args.command == "tune" and args.out is None:
+            args.out = records_dir(args.spec)
+    if args.command == "list":
+        if args.specs_dir is None:
+            args.specs_dir = shipped(SPECS)
+        if args.tune_dir is None:
+            args.tune_dir = shipped(RECORDS) if args.specs_dir == shipped(SPECS) else records_dir(args.specs_dir / "x.yaml")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="replaygen", description="Generate, check and inspect ReplaySSM decode kernels from a spec.")
     parser.add_argument("--version", action="version", version=f"replaygen {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    common = argparse.ArgumentParser(add_help=False)  # -v also after the command
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log progress")
+    sub = _Commands(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"), common)
 
     p = sub.add_parser("build", help="generate kernel modules for a spec's shapes", description="Render the kernels of each target shape into importable modules under OUT/GPU/.")
     _add_spec(p)
-    p.add_argument("--gpu", default="h100", help="GPU the configs are for; names the output folder (default: h100)")
-    p.add_argument("--out", default="generated", type=Path, help="output folder (default: generated)")
-    p.add_argument("--tune-dir", default="tune", type=Path, help="tuning records, read from TUNE_DIR/GPU/SPEC_SHAPE.json (default: tune)")
+    p.add_argument("--gpu", default="h200", help="GPU the configs are for; names the output folder (default: h200)")
+    p.add_argument("--out", default=None, type=Path, help=(
+        "output folder (default: generated/ beside the spec's specs/ folder; for a spec of an installed replaygen, generated/ here)"))
+    p.add_argument("--tune-dir", default=None, type=Path, help="tuning records, read from TUNE_DIR/GPU/SPEC_SHAPE.json (default: tune/ beside the spec's specs/ folder)")
     p.add_argument("--allow-default", action="store_true", help="build with the documented default configs where no tuning record applies (and say so)")
     p.add_argument("--accept-env-mismatch", action="store_true", help="apply records tuned under another triton or replaygen version (listed); never those of another GPU or of changed kernels")
     p.add_argument("--spread-flushes", action="store_true", help=(
         "leave out the replay-decode configs that gather the rows' flushes on a few steps of a shared clock "
-        "(align_flushes): every step then costs about the same, 1-12%% more on average on the H100 (docs/perf.md "
-        "entries 28, 29)"))
+        "(align_flushes): every step then costs about the same, 1-12%% more on average on the H100"))
     _add_int(p, "--flush-groups", 1, default=DEFAULT_FLUSH_GROUPS, metavar="N", help=(
         "aligned flushes: the slots form N groups (slot %% N) that flush on N evenly spaced steps of the clock "
         "(default: %(default)s; each flushing step then costs about one baseline step on the H100, the same average "
-        "as 1, where one step flushes every row at about 1.4x a baseline step; docs/perf.md entry 29)"))
+        "as 1, where one step flushes every row at about 1.4x a baseline step)"))
 
     p = sub.add_parser("check", help="run the generated kernels against the float64 reference", description=(
         "Generate the kernels and compare them step by step with the float64 reference over several flush cycles, "
@@ -96,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_int(p, "--bucket", 1, action="append", metavar="K", help=(
         "with --gpu: check only bucket position K (1-based, repeatable; default: every position), so that one shape's "
         "positions can run in separate processes"))
-    p.add_argument("--tune-dir", default="tune", type=Path, help="tuning records folder for --gpu (default: tune)")
+    p.add_argument("--tune-dir", default=None, type=Path, help="tuning records folder for --gpu (default: tune/ beside the spec's specs/ folder)")
 
     p = sub.add_parser("compile", help="compile every kernel for a GPU architecture, without that GPU", description=(
         "Compile every kernel a shape's module launches for a GPU architecture on this machine (no GPU needed): the "
@@ -108,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", default=None, help=(
         f"architecture ({', '.join(ARCHITECTURES)}; default: the compute capability the --gpu records were tuned on, else sm_90)"))
     p.add_argument("--gpu", default=None, help="compile the configs `build --gpu GPU` bakes from TUNE_DIR (default: the documented defaults)")
-    p.add_argument("--tune-dir", default="tune", type=Path, help="tuning records folder for --gpu (default: tune)")
+    p.add_argument("--tune-dir", default=None, type=Path, help="tuning records folder for --gpu (default: tune/ beside the spec's specs/ folder)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help=DTYPE_HELP)
 
     p = sub.add_parser("show", help="buffer layout, bytes per step, memory per slot, speedup bound", description="Print what the spec derives for each shape: the replay-buffer layout, the traffic model and memory per slot.")
@@ -129,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None, help="write bench_<spec>_<shapes>.json here")
     p.add_argument("--plots", action="store_true", help="also write PNG plots next to the JSON (needs --out and matplotlib)")
     p.add_argument("--gpu", default=None, help="time decode with the configs `build --gpu GPU` bakes from TUNE_DIR (default: defaults)")
-    p.add_argument("--tune-dir", default="tune", type=Path, help="tuning records folder for --gpu (default: tune)")
+    p.add_argument("--tune-dir", default=None, type=Path, help="tuning records folder for --gpu (default: tune/ beside the spec's specs/ folder)")
 
     p = sub.add_parser("plot", help="PNG plots from a saved bench JSON", description="Plot speedup vs batch, time vs L, verify cost vs T and bandwidth fraction from a `bench --out` JSON (needs matplotlib).")
     p.add_argument("json", type=Path, help="bench_<spec>_<shapes>.json written by bench --out")
@@ -149,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fix", action="append", default=[], metavar="NAME=VALUE", help="restrict a parameter to one value, e.g. flush_at=16 (repeatable)")
     p.add_argument("--storage", default=None, metavar="URL", help="Optuna storage URL shared by several processes or hosts (default: the journal file OUT/GPU/optuna.journal)")
     p.add_argument("--gpu", default=None, help="GPU name the records are filed under (default: from the device name, e.g. h100)")
-    p.add_argument("--out", default="tune", type=Path, help="records folder (default: tune)")
+    p.add_argument("--out", default=None, type=Path, help="records folder (default: tune/ beside the spec's specs/ folder)")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="stop starting trials after this long; each search gets an equal share of the time left")
     _add_int(p, "--seed", 0, default=0, help="sampler seed (default: 0)")
     _add_int(p, "--recorded", 0, default=0, metavar="K", help=(
@@ -173,8 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
         "less two; 0: off)"))
 
     p = sub.add_parser("list", help="specs, their shapes, and GPUs with tuning records", description="List the specs in SPECS_DIR with their shapes, the GPUs that have tuning records in TUNE_DIR and, per GPU, which shapes' records hold trials of which kernels (and which shapes have none, so build runs their documented defaults).")
-    p.add_argument("--specs-dir", default="specs", type=Path)
-    p.add_argument("--tune-dir", default="tune", type=Path)
+    p.add_argument("--specs-dir", default=None, type=Path, help="folder of spec files (default: the shipped specs)")
+    p.add_argument("--tune-dir", default=None, type=Path, help="tuning records folder (default: the shipped records, or tune/ beside --specs-dir)")
     return parser
 
 
@@ -183,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         _check_minimums(args)
-        _check_gpu_options(args)
+        _normalize_gpu_options(args)
+        _resolve_paths(args)
         return COMMANDS[args.command](args)
     except ReplaygenError as exc:
         print(f"replaygen {args.command}: error: {exc}", file=sys.stderr)
@@ -199,10 +233,13 @@ def cmd_build(args: argparse.Namespace) -> int:
     built = build_spec(spec, shapes, args.gpu, args.out, tune_dir=args.tune_dir, allow_default=args.allow_default, accept_env_mismatch=args.accept_env_mismatch,
                         spread_flushes=args.spread_flushes, flush_groups=args.flush_groups)
     for module in built:
-        print(f"{spec.name}/{module.plan.shape.name} for {args.gpu}: configs from {module.plan.config_source}")
-        for note in module.notes:
-            print(f"  {note}")
-        print(f"  {'wrote    ' if module.written else 'unchanged'} {module.path}")
+        print(f"{spec.name}/{module.plan.shape.name} for {args.gpu}: {'wrote' if module.written else 'unchanged'} {module.path}")
+        for line in module.resolved.lines:
+            print(f"  {line}")
+    written = sum(module.written for module in built)
+    folder = args.out / args.gpu
+    print(f"{len(built)} module(s) in {folder}: {written} written, {len(built) - written} unchanged. From {args.out.resolve().parent}, "
+          f"`from {args.out.name}.{args.gpu} import {built[0].plan.module_name}`; or build with --out into a package of yours")
     return 0
 
 
@@ -227,12 +264,14 @@ def cmd_check(args: argparse.Namespace) -> int:
     device = "cuda" if has_gpu else "cpu"
     dtype = getattr(torch, DTYPES[_activation_dtype(spec, args.dtype, "bf16" if has_gpu else "fp32")])
     failed = 0
-    for shape in select_shapes(spec, args.shape):
-        run_shape = shape
-        if not has_gpu and not args.full:
-            run_shape = _reduced(shape)
-        print(f"{spec.name}/{shape.name} on {device}" + ("" if run_shape == shape else f" (reduced for the interpreter: {_describe(run_shape)}; --full for the real shape)"))
-        for label, configs in _check_variants(spec, shape, args):
+    groups = _check_groups(select_shapes(spec, args.shape), reduce=not has_gpu and not args.full)
+    started = time.monotonic()
+    for index, (run_shape, shapes) in enumerate(groups.items()):
+        names = ", ".join(shape.name for shape in shapes)
+        reduced = "" if run_shape in shapes else f" (reduced for the interpreter: {_describe(run_shape)}; --full for the real shapes)"
+        print(f"[{index + 1}/{len(groups)}] {spec.name}/{names} on {device}{reduced}", flush=True)
+        shape_started = time.monotonic()
+        for label, configs in _check_variants(spec, shapes[0], args) if args.gpu else [("", None)]:
             if label:
                 print(f"  {label}")
             module = load_kernels(spec, run_shape, configs)
@@ -249,6 +288,7 @@ def cmd_check(args: argparse.Namespace) -> int:
             for report in reports:
                 print("\n".join(report.lines()))
                 failed += not report.ok
+        print(f"  {time.monotonic() - shape_started:.0f} s ({time.monotonic() - started:.0f} s in all)", flush=True)
     print("all checks passed" if not failed else f"{failed} check(s) FAILED")
     return 1 if failed else 0
 
@@ -265,19 +305,32 @@ def _activation_dtype(spec: Spec, requested: str | None, usual: str) -> str:
     return requested
 
 
+def _check_groups(shapes, reduce: bool) -> dict:
+    """The shapes `check` runs, each once: the shape itself, or with `reduce` (the interpreter) its reduced sizes,
+    with the spec's shapes that reduce to it (a model's tensor-parallel splits often reduce to the same sizes)."""
+    groups: dict = {}
+    for shape in shapes:
+        run_shape = _reduced(shape) if reduce else shape
+        key = next((known for known in groups if _sizes(known) == _sizes(run_shape)), run_shape)
+        groups.setdefault(key, []).append(shape)
+    return groups
+
+
+def _sizes(shape) -> tuple[int, ...]:
+    return (shape.heads, shape.key_heads, shape.value_dim, shape.key_dim, shape.capacity, shape.window)
+
+
 def _check_variants(spec, shape, args: argparse.Namespace) -> list[tuple[str, dict | None]]:
-    """What `check` runs for `shape`: the defaults, or with --gpu one config set per bucket position of the tables
-    `build --gpu` would bake (labelled with the batch sizes each tuned kernel's config serves), only the positions
-    --bucket names if it names any."""
-    if not args.gpu:
-        return [("", None)]
+    """What `check --gpu` runs for `shape`: one config set per bucket position of the tables `build --gpu` would
+    bake (labelled with the batch sizes each tuned kernel's config serves), only the positions --bucket names if it
+    names any."""
     from replaygen.configs import bucket_range, bucket_variants
     from replaygen.tune.apply import resolve_configs
     from replaygen.tune.space import TUNABLE_KINDS
 
     resolved = resolve_configs(spec, shape, args.gpu, args.tune_dir, allow_default=True)
-    for note in resolved.notes:
-        print(f"  {note}")
+    for line in resolved.lines:
+        print(f"  {line}")
     tables = resolved.configs
     positions = bucket_variants(tables)
     wanted = set(args.bucket or range(1, len(positions) + 1))
@@ -310,7 +363,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         tables = module_defaults(spec, shape)
         if args.gpu:
             resolved = resolve_configs(spec, shape, args.gpu, args.tune_dir, allow_default=True)
-            source, notes, tables = f"the configs of {args.gpu} ({resolved.source})", resolved.notes, resolved.configs
+            source, notes, tables = f"the configs of {args.gpu} ({resolved.source})", resolved.lines, resolved.configs
             if args.arch is None:
                 arch = _records_architecture(spec, shape, args.gpu, args.tune_dir) or arch
         headers.append([f"{spec.name}/{shape.name} for {arch.name}, {dtype} activations, {source}", *(f"  {note}" for note in notes)])
@@ -386,7 +439,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
     specs = sorted(args.specs_dir.glob("*.yaml"))
     if not specs:
-        print(f"no specs in {args.specs_dir}")
+        raise ReplaygenError(f"no spec files (*.yaml) in {args.specs_dir}: pass --specs-dir")
     loaded = []
     for path in specs:
         try:
@@ -398,7 +451,9 @@ def cmd_list(args: argparse.Namespace) -> int:
         print(f"{spec.name} ({path}): {spec.description}")
         for shape in spec.shapes:
             print(f"  {shape.name:<18} {_describe(shape)}")
-    gpus = sorted(p.name for p in args.tune_dir.iterdir() if p.is_dir()) if args.tune_dir.is_dir() else []
+    from replaygen.paths import gpus_with_records
+
+    gpus = gpus_with_records(args.tune_dir)
     print(f"GPUs with tuning records in {args.tune_dir}: {', '.join(gpus) if gpus else 'none'}")
     for gpu in gpus:
         for spec in loaded:
@@ -468,8 +523,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         def resolve(shape, allow_default: bool = False) -> None:
             resolved = resolve_configs(spec, shape, args.gpu, args.tune_dir, allow_default=allow_default)
-            for note in resolved.notes:
-                print(f"{shape.name}: {note}")
+            for line in resolved.lines:
+                print(f"{shape.name}: {line}")
             tuned[shape.name] = resolved.configs
 
         for shape in shapes:

@@ -45,7 +45,7 @@ def l2_bytes(device: torch.device) -> int:
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, rounds: int = 3) -> float:
     """Measured device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written: the best of
     `rounds` medians of 30 copies of `nbytes`, each round on fresh buffers (single rounds at the start of a process
-    ranged over 2% on the H100, docs/perf.md entry 30)."""
+    ranged over 2% on the H100 (docs/design.md, "Measuring")."""
     best = 0.0
     for _ in range(rounds):
         src = torch.randn(nbytes // 4, device=device)
@@ -85,7 +85,7 @@ def capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
 
     The first graph a process captures and replays runs short kernels faster than every later one, itself included
     once a second graph exists (H100: 7.2 against 8.0 us per step at batch 2, 1-3% at batch 32; the SM clock stayed
-    at 1980 MHz; docs/perf.md entry 22). A serving engine captures a graph per batch size, so the first call in a
+    at 1980 MHz; docs/design.md, "Measuring"). A serving engine captures a graph per batch size, so the first call in a
     process captures and replays a throwaway graph of `fn` first: every timed graph is a later one, whichever
     kernel a tune or a bench happens to time first."""
     global _primed
@@ -168,7 +168,7 @@ class DecodeWorkload:
     def time_replay(self, route: str, flush_at: int, repeats: int = 30) -> Timing:
         """Per-step time of replay decode over whole flush cycles of `flush_at` steps, as many cycles as cover the
         buffer capacity L: the baseline's graph holds L steps, and a graph of fewer steps would carry more of
-        the graph launch per step (flush_at=1 measured up to 12% slow at batch 1-8 so, docs/perf.md entry 12)."""
+        the graph launch per step (flush_at=1 measured up to 12% slow at batch 1-8 so; docs/design.md, "Measuring")."""
         self.stagger(flush_at)
         steps = flush_at * -(-self.shape.capacity // flush_at)
 
@@ -217,7 +217,7 @@ class VerifyWorkload:
     "all": every window token is accepted (the most flushes), every sequence starting with an empty buffer, so all
     flush on the same step of the cycle (as a batch that started together does); "staggered": every token accepted,
     sequence i starting at the (i mod n)-th of the n steps of the flush cycle, so each step flushes 1/n of them (as
-    sequences that started at different times do; up to 10% slower on the H100, docs/perf.md entry 46); "random": each
+    sequences that started at different times do; up to 10% slower on the H100 (docs/design.md, "Measuring"); "random": each
     step of the captured cycle accepts a different random 1..T per sequence, so sequences diverge.
     """
 

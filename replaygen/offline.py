@@ -10,9 +10,9 @@ block. The stand-in then records the launch (kernel; registers, local memory and
 running it. A kernel that the interpreter runs but the GPU compiler rejects, or that needs more shared memory than
 the GPU has, is found without the GPU.
 
-The module decides on the host whether its scores and replay kernels launch as programmatic dependents, by the
-device's compute capability (`_overlap_scores`, and `_early_launch` where a bucket sets early_launch); for CPU
-tensors it would say no, so the worker makes that decision for the target architecture instead.
+The module decides on the host whether its kernels launch as programmatic dependents, by the device's compute
+capability (`_dependent_launch`), and whether they run compiled code such as inline PTX (`_on_gpu`); for CPU tensors
+it would say no to both, so the worker answers for the target architecture instead.
 """
 
 from __future__ import annotations
@@ -351,15 +351,10 @@ def _compile(job: CompileJob) -> CompileReport:
     recorder = _Recorder()
     _use_stand_in(arch, recorder)
     module = import_source(job.source, plan.module_name)
-    if not hasattr(module, "_overlap_scores"):
-        raise ReplaygenError(f"{plan.module_name} has no _overlap_scores: offline compilation does not know this module's launch code")
-    module._overlap_scores = lambda config, device: bool(config["overlap_scores"]) and arch.dependent_launch
-    if hasattr(module, "_early_launch"):  # only where a bucket launches early (early_launch)
-        module._early_launch = lambda config, device: bool(config.get("early_launch", False)) and arch.dependent_launch
-    if hasattr(module, "_early_commit"):  # only where a verify bucket launches its commit early (early_commit)
-        module._early_commit = lambda config, device: bool(config.get("early_commit", False)) and arch.dependent_launch
-    if hasattr(module, "_prefetch_fold_keys"):  # only where a bucket prefetches its fold's keys (prefetch_fold_keys)
-        module._prefetch_fold_keys = lambda config, device: bool(config.get("prefetch_fold_keys", False))
+    if not hasattr(module, "_dependent_launch") or not hasattr(module, "_on_gpu"):
+        raise ReplaygenError(f"{plan.module_name} has no _dependent_launch or _on_gpu: offline compilation does not know this module's launch code")
+    module._dependent_launch = lambda device: arch.dependent_launch
+    module._on_gpu = lambda device: True
     failures = []
     for label, call in _calls(module, plan, getattr(torch, job.act_dtype), job.kinds):
         recorder.call = label
@@ -401,7 +396,7 @@ def _calls(module: ModuleType, plan: ModulePlan, act_dtype: torch.dtype, kinds: 
     options = []  # calls that switch the optional paths, beside the plain one
     if plan.gate_optional:
         options.append(("gate", {"use_gate": True}))
-    if plan.has_direct_decay or plan.has_direct_weight:
+    if plan.roles.direct_decay or plan.roles.direct_weight:
         options.append(("direct inputs", {"use_direct": True}))
 
     def slots(batch: int) -> torch.Tensor:

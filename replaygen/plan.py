@@ -1,14 +1,14 @@
 """Planning: spec + target shape + configs -> everything a template needs, decided in Python.
 
-Templates only read a `ModulePlan`; every choice (which inputs exist, which
-transforms run, buffer layout, constexpr sizes, dispatch tables) is made here.
+Templates only read a `ModulePlan`; every choice (which inputs exist, which transforms run, buffer layout,
+constexpr sizes, dispatch tables, how spec names are spelled in generated code) is made here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from replaygen.configs import FLUSH_NUM_WARPS, MIN_DOT, BucketConfig, KernelConfig, KernelKind, validate_config
+from replaygen.configs import MIN_DOT, BucketConfig, KernelKind, validate_config
 from replaygen.errors import UnsupportedShapeError
 from replaygen.spec.model import (
     CacheField,
@@ -24,6 +24,9 @@ from replaygen.spec.model import (
 )
 
 TORCH_DTYPES = {DType.FLOAT32: "torch.float32", DType.BFLOAT16: "torch.bfloat16", DType.FLOAT16: "torch.float16"}
+# Generated code spells a spec's input or weight NAME as PREFIX + NAME everywhere but in the public functions'
+# keyword parameters, so no spec name can collide with an identifier of the templates (which never start with it).
+SPEC_NAME_PREFIX = "in_"
 
 
 @dataclass(frozen=True)
@@ -41,10 +44,50 @@ class BufferField:
 class TensorArg:
     """A per-token input or weight of the generated API, with its logical shape."""
 
-    name: str
+    name: str  # the spec's name: the public keyword parameter
     shape: tuple[str, ...]  # symbols, e.g. ("batch", "H", "P")
     sizes: tuple[int, ...]  # sizes of the non-batch dims
     optional: bool = False
+    activation: bool = False  # in the activation dtype (value, key, query, gate); else any float dtype
+
+    @property
+    def param(self) -> str:
+        """How generated code other than the public signatures spells it."""
+        return SPEC_NAME_PREFIX + self.name
+
+
+@dataclass(frozen=True)
+class Roles:
+    """The kernel spelling (TensorArg.param) of the tensor in each role of the recurrence; None where the spec has none."""
+
+    value: str
+    key: str
+    query: str
+    decay_input: str
+    decay_rate: str | None
+    decay_bias: str | None
+    direct_decay: str | None
+    weight_input: str | None
+    direct_weight: str | None
+    skip: str | None
+    gate: str | None
+
+
+@dataclass(frozen=True)
+class OptionalInput:
+    """A kernel constexpr switch set where an optional input is given."""
+
+    flag: str  # e.g. USE_GATE
+    input_index: int  # position of the input among the step inputs
+
+
+@dataclass(frozen=True)
+class ExclusivePair:
+    """Two step inputs of which a call passes exactly one (a pre-activation and the value it gives, passed directly)."""
+
+    first: int  # positions among the step inputs
+    second: int
+    message: str
 
 
 @dataclass(frozen=True)
@@ -53,7 +96,7 @@ class ModulePlan:
     shape: TargetShape
     gpu: str
     configs: dict[KernelKind, tuple[BucketConfig, ...]]
-    config_source: str  # "defaults" or the tuning record it came from
+    config_source: str  # where the configs came from: "defaults" or the tuning record
     # sizes
     block_k: int
     block_r: int  # ring tile rows: RING = capacity + window positions, at least MIN_DOT (fold_dot)
@@ -63,43 +106,23 @@ class ModulePlan:
     # recurrence switches
     channel_decay: bool
     decay_from_preactivation: bool
-    has_direct_decay: bool
     weight_kind: str  # "decay_dt" | "sigmoid" | "one"
-    has_direct_weight: bool
     delta_rule: bool
     key_l2norm: bool
     query_l2norm: bool
     key_eps: float
     query_eps: float
     query_scale: float  # 1.0 when unscaled
-    has_skip: bool
-    has_gate: bool
     gate_optional: bool
-    flags: tuple[tuple[str, str], ...]  # constexpr switches of the optional inputs: (switch, the input that sets it)
+    optional_inputs: tuple[OptionalInput, ...]
+    exclusive_pairs: tuple[ExclusivePair, ...]
     fold_leftovers_in_memory: bool  # flush-every-step decode: see leftovers_in_memory
-    # some replay decode bucket runs several warps per program: a flush-every-step step that meets leftover entries
-    # then folds them with the cursor it read and moves the cursor after a barrier (no warp reads it after another
-    # warp wrote it); one-warp programs keep the fold's own cursor read and write, so their records stay valid
-    decode_multi_warp: bool
-    # a barrier before the stores of a program that read its cursor with several warps (no warp that falls behind
-    # reads a cursor another warp of its program moved): some replay decode bucket buffers (flush_at != 1) with
-    # several warps; some decode bucket flushes in its own launch (FLUSH_NUM_WARPS warps); some replay verify bucket
-    # runs several warps (num_warps, or window_warps in the split's window half). Flags, not per-config code, so the
-    # one-warp configs' records keep their source hashes
-    decode_buffers_multi_warp: bool
-    separate_flush: bool
-    verify_multi_warp: bool
-    early_launch: bool  # some replay decode or verify bucket launches early: the kernels take EARLY_WAIT (KernelConfig.early_launch)
-    # some bucket of the kind prefetches its fold's keys: that kind's kernel takes PREFETCH_FOLD_KEYS (KernelConfig.prefetch_fold_keys);
-    # per kind, so one kind's buckets never change the other kind's kernel text (and its records' source hashes)
-    decode_prefetches_fold_keys: bool
-    verify_prefetches_fold_keys: bool
-    verify_flush_at: bool  # some replay verify bucket also folds at h >= flush_at: the verify kernel takes FLUSH_AT
-    verify_early_commit: bool  # some replay verify bucket launches its commit early: the commit kernel takes EARLY_WAIT
     # API
+    roles: Roles
     step_inputs: tuple[TensorArg, ...]
     weights: tuple[TensorArg, ...]
     buffers: tuple[BufferField, ...]
+    state_identity: str  # what a replay state's buffers mean (see state_identity)
 
     @property
     def module_name(self) -> str:
@@ -112,8 +135,8 @@ class ModulePlan:
         rank-1 term are cheapest on the key."""
         return self.state_stride_k == 1
 
-    def config_table(self, kind: KernelKind) -> tuple[BucketConfig, ...]:
-        return self.configs[kind]
+    def flag(self, name: str) -> OptionalInput | None:
+        return next((o for o in self.optional_inputs if o.flag == name), None)
 
 
 def plan_module(
@@ -135,7 +158,6 @@ def plan_module(
     if missing:
         raise UnsupportedShapeError(f"no configs for kernels: {', '.join(sorted(k.value for k in missing))}")
     step_inputs, weights = api_tensors(spec, shape)
-    channel = spec.decay.granularity is DecayGranularity.CHANNEL
     value_key = spec.state.layout is StateLayout.VALUE_KEY
     return ModulePlan(
         spec=spec,
@@ -148,60 +170,80 @@ def plan_module(
         score_tokens=max(2, _next_pow2(shape.window)),
         state_stride_v=shape.key_dim if value_key else 1,
         state_stride_k=1 if value_key else shape.value_dim,
-        channel_decay=channel,
+        channel_decay=spec.decay.granularity is DecayGranularity.CHANNEL,
         decay_from_preactivation=spec.decay.form is DecayForm.NEG_EXP_SOFTPLUS,
-        has_direct_decay=spec.decay.direct_input is not None,
         weight_kind=spec.update.weight.value,
-        has_direct_weight=spec.update.weight_direct_input is not None,
         delta_rule=spec.update.kind is UpdateKind.DELTA,
         key_l2norm=spec.key.transform is VectorTransform.L2NORM,
         query_l2norm=spec.query.transform is VectorTransform.L2NORM,
         key_eps=spec.key.eps,
         query_eps=spec.query.eps,
         query_scale=shape.key_dim**-0.5 if spec.query.scale is QueryScale.INV_SQRT_KEY_DIM else 1.0,
-        has_skip=spec.readout.skip is not None,
-        has_gate=spec.readout.gate is not None,
         gate_optional=spec.readout.gate is not None and spec.readout.gate.optional,
-        flags=optional_input_flags(spec),
+        optional_inputs=optional_inputs(spec, step_inputs),
+        exclusive_pairs=exclusive_pairs(spec, step_inputs),
         fold_leftovers_in_memory=leftovers_in_memory(spec),
-        decode_multi_warp=any(b.config.num_warps > 1 for b in configs[KernelKind.REPLAY_DECODE]),
-        decode_buffers_multi_warp=any(b.config.num_warps > 1 and b.config.flush_at != 1 for b in configs[KernelKind.REPLAY_DECODE]),
-        separate_flush=FLUSH_NUM_WARPS > 1 and any(not b.config.fused_flush for b in configs[KernelKind.REPLAY_DECODE]),
-        verify_multi_warp=any(max(b.config.num_warps, b.config.window_warps) > 1 for b in configs[KernelKind.REPLAY_VERIFY]),
-        early_launch=any(b.config.early_launch for kind in (KernelKind.REPLAY_DECODE, KernelKind.REPLAY_VERIFY) for b in configs[kind]),
-        decode_prefetches_fold_keys=any(b.config.prefetch_fold_keys for b in configs[KernelKind.REPLAY_DECODE]),
-        verify_prefetches_fold_keys=any(b.config.prefetch_fold_keys for b in configs[KernelKind.REPLAY_VERIFY]),
-        verify_flush_at=any(b.config.flush_at for b in configs[KernelKind.REPLAY_VERIFY]),
-        verify_early_commit=any(b.config.early_commit for b in configs[KernelKind.REPLAY_VERIFY]),
+        roles=roles(spec),
         step_inputs=step_inputs,
         weights=weights,
-        buffers=_buffers(spec, shape),
+        buffers=buffers(spec, shape),
+        state_identity=state_identity(spec, shape),
     )
 
 
-def optional_input_flags(spec: Spec) -> tuple[tuple[str, str], ...]:
+def roles(spec: Spec) -> Roles:
+    def param(name: str | None) -> str | None:
+        return None if name is None else SPEC_NAME_PREFIX + name
+
+    return Roles(
+        value=param(spec.inputs.value),
+        key=param(spec.inputs.key),
+        query=param(spec.inputs.query),
+        decay_input=param(spec.decay.input),
+        decay_rate=param(spec.decay.rate),
+        decay_bias=param(spec.decay.bias),
+        direct_decay=param(spec.decay.direct_input),
+        weight_input=param(spec.update.weight_input),
+        direct_weight=param(spec.update.weight_direct_input),
+        skip=param(spec.readout.skip),
+        gate=param(spec.readout.gate.input if spec.readout.gate else None),
+    )
+
+
+def optional_inputs(spec: Spec, step_inputs: tuple[TensorArg, ...]) -> tuple[OptionalInput, ...]:
     """The kernels' constexpr switches for the optional inputs, each with the input whose presence sets it: kernel
     parameters and launch arguments are both rendered from this one list."""
-    flags = []
+    index = {t.name: i for i, t in enumerate(step_inputs)}
+    switches = []
     if spec.decay.direct_input is not None:
-        flags.append(("USE_DIRECT_DECAY", spec.decay.direct_input))
+        switches.append(OptionalInput("USE_DIRECT_DECAY", index[spec.decay.direct_input]))
     if spec.update.weight_direct_input is not None:
-        flags.append(("USE_DIRECT_WEIGHT", spec.update.weight_direct_input))
+        switches.append(OptionalInput("USE_DIRECT_WEIGHT", index[spec.update.weight_direct_input]))
     if spec.readout.gate is not None and spec.readout.gate.optional:
-        flags.append(("USE_GATE", spec.readout.gate.input))
-    return tuple(flags)
+        switches.append(OptionalInput("USE_GATE", index[spec.readout.gate.input]))
+    return tuple(switches)
+
+
+def exclusive_pairs(spec: Spec, step_inputs: tuple[TensorArg, ...]) -> tuple[ExclusivePair, ...]:
+    """The inputs a spec offers two ways (a decay or weight as a pre-activation or directly): a call passes one."""
+    index = {t.name: i for i, t in enumerate(step_inputs)}
+    pairs = []
+    if spec.decay.direct_input is not None:
+        a, b = spec.decay.input, spec.decay.direct_input
+        pairs.append(ExclusivePair(index[a], index[b], f"pass exactly one of {a} (pre-activation) and {b} (log decay)"))
+    if spec.update.weight_direct_input is not None:
+        a, b = spec.update.weight_input, spec.update.weight_direct_input
+        pairs.append(ExclusivePair(index[a], index[b], f"pass exactly one of {a} (pre-activation) and {b} (weight)"))
+    return tuple(pairs)
 
 
 def leftovers_in_memory(spec: Spec) -> bool:
     """How flush-every-step decode (flush_at=1) handles entries that a larger flush_at left in a row's buffer. True:
-    they are folded into the checkpoint in memory before the step, whose inputs load after that check (the fold's
-    registers end at its store). False: the step runs as if nothing were buffered and its state store skips such
-    tiles; then an out-of-line function folds their entries into the checkpoint in memory, a few value rows per
-    call, and the step is redone from it. Measured (docs/perf.md entries 24, 26 and 27): in memory brings Mamba-2 at
-    batch 1-8 from 0.91-0.98x of the baseline to 0.96-1.07x (H100); folding after the step is 2-7% slower there.
-    Where the step normalizes its key and query (GDN), the normalization would wait for the check (0.85-0.92x,
-    H200); folding after the step keeps it ahead of the check, and the out-of-line fold keeps the kernel's registers
-    near the baseline's (H100)."""
+    they are folded into the checkpoint in memory before the step, whose inputs load after that check. False: the
+    step runs as if nothing were buffered and its state store skips such tiles; then an out-of-line function folds
+    their entries into the checkpoint in memory, a few value rows per call, and the step is redone from it. Where
+    the step normalizes its key or query, the normalization would otherwise wait for the check (docs/design.md,
+    "Flush-every-step decode")."""
     return not (spec.key.transform is VectorTransform.L2NORM or spec.query.transform is VectorTransform.L2NORM)
 
 
@@ -212,9 +254,9 @@ def api_tensors(spec: Spec, shape: TargetShape) -> tuple[tuple[TensorArg, ...], 
     decay_shape = ("batch", d.heads, d.key_dim) if channel else ("batch", d.heads)
     decay_sizes = (shape.heads, shape.key_dim) if channel else (shape.heads,)
     inputs = [
-        TensorArg(spec.inputs.value, ("batch", d.heads, d.value_dim), (shape.heads, shape.value_dim)),
-        TensorArg(spec.inputs.key, ("batch", d.key_heads, d.key_dim), (shape.key_heads, shape.key_dim)),
-        TensorArg(spec.inputs.query, ("batch", d.key_heads, d.key_dim), (shape.key_heads, shape.key_dim)),
+        TensorArg(spec.inputs.value, ("batch", d.heads, d.value_dim), (shape.heads, shape.value_dim), activation=True),
+        TensorArg(spec.inputs.key, ("batch", d.key_heads, d.key_dim), (shape.key_heads, shape.key_dim), activation=True),
+        TensorArg(spec.inputs.query, ("batch", d.key_heads, d.key_dim), (shape.key_heads, shape.key_dim), activation=True),
         TensorArg(spec.decay.input, decay_shape, decay_sizes, optional=spec.decay.direct_input is not None),
     ]
     if spec.decay.direct_input:
@@ -225,7 +267,8 @@ def api_tensors(spec: Spec, shape: TargetShape) -> tuple[tuple[TensorArg, ...], 
     if spec.update.weight_direct_input:
         inputs.append(TensorArg(spec.update.weight_direct_input, ("batch", d.heads), (shape.heads,), optional=True))
     if spec.readout.gate:
-        inputs.append(TensorArg(spec.readout.gate.input, ("batch", d.heads, d.value_dim), (shape.heads, shape.value_dim), optional=spec.readout.gate.optional))
+        gate = spec.readout.gate
+        inputs.append(TensorArg(gate.input, ("batch", d.heads, d.value_dim), (shape.heads, shape.value_dim), optional=gate.optional, activation=True))
     weights = []
     if spec.decay.rate:
         weights.append(TensorArg(spec.decay.rate, (d.heads,), (shape.heads,)))
@@ -237,7 +280,8 @@ def api_tensors(spec: Spec, shape: TargetShape) -> tuple[tuple[TensorArg, ...], 
     return tuple(inputs), tuple(weights)
 
 
-def _buffers(spec: Spec, shape: TargetShape) -> tuple[BufferField, ...]:
+def buffers(spec: Spec, shape: TargetShape) -> tuple[BufferField, ...]:
+    """The replay state's ring buffers, one per cached field, in the spec's order."""
     channel = spec.decay.granularity is DecayGranularity.CHANNEL
     fields = []
     for cached in spec.cache:
@@ -253,6 +297,18 @@ def _buffers(spec: Spec, shape: TargetShape) -> tuple[BufferField, ...]:
     return tuple(fields)
 
 
+def state_identity(spec: Spec, shape: TargetShape) -> str:
+    """What a replay state's tensors mean, as one line: the spec and shape, the sizes, buffer capacity and window,
+    the state's dtype and layout, and each cached field's dtype. Two modules whose states hold the same bytes with
+    the same meaning give the same line (a module loaded twice, a vendored copy); any difference in what the
+    buffers mean gives another, so a module refuses a state allocated by another (the activation dtype chosen at
+    allocation is checked apart)."""
+    cache = " ".join(f"{c.field.value}:{c.dtype.value if c.dtype else 'activation'}" for c in spec.cache)
+    return (
+        f"{spec.name}/{shape.name}: heads={shape.heads} key_heads={shape.key_heads} value_dim={shape.value_dim} key_dim={shape.key_dim}"
+        f" L={shape.capacity} T={shape.window}; state {spec.state.dtype.value} {spec.state.layout.value}; cache {cache}"
+    )
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
-

@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from replaygen.codegen import render_module, source_hash, write_if_changed
+from replaygen.codegen import render_module, source_hash
+from replaygen.files import write_if_changed
 from replaygen.configs import BucketConfig, KernelKind, module_defaults
 from replaygen.errors import ReplaygenError
 from replaygen.plan import plan_module

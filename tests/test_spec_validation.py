@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from replaygen.errors import SpecError
+from replaygen.spec.loader import API_PARAMETERS
 from replaygen.spec import load_spec, load_spec_text
 from replaygen.spec.model import CacheField, DecayForm, UpdateKind
 
@@ -79,28 +80,12 @@ def test_name_must_not_be_keyword():
     rejects(edit("value: x          # [batch, H, P]", "value: lambda"), "inputs.value", "not a valid name")
 
 
-def test_name_must_not_be_reserved():
-    rejects(edit("skip: D           # [H]", "skip: state"), "readout.skip", "the generated module uses 'state' itself")
-
-
-@pytest.mark.parametrize(
-    "name, clash",
-    [(name, f"kernel parameter '{name}_ptr' collides") for name in ("cursor", "ckpt", "pending", "clock", "buf_key", "buf_value")]
-    + [
-        (name, f"the generated module uses '{name}' itself")
-        for name in ("scores", "current", "snapshots", "readouts", "lead", "act", "tokens", "pdl", "split", "block_v", "batch", "grid", "STATE_SHAPE", "ACTIVATION_DTYPES")
-    ]
-    + [(name, f"shadow the python builtin '{name}'") for name in ("max", "isinstance")],
-)
-def test_name_must_not_clash_with_generated_code(name, clash):
+@pytest.mark.parametrize("name", sorted(API_PARAMETERS))
+def test_name_must_not_be_an_api_parameter(name):
+    """The generated functions take these beside the spec's inputs and weights, as keywords of the same call."""
     text = edit("value: v          # [batch, HV, V]", f"value: {name}", GDN)
-    err = rejects(text, "inputs.value", f"'{name}' cannot name an input or weight: ")
-    assert clash in err.message and err.line == line_of(text, f"value: {name}")
-
-
-def test_shipped_spec_names_do_not_clash():
-    for text in (MAMBA2, GDN):
-        load_spec_text(text, "shipped.yaml")  # x (a kernel local of _softplus) and k (of the flush kernel) stay usable
+    err = rejects(text, "inputs.value", f"'{name}' cannot name an input or weight: the generated functions take a parameter '{name}' of their own")
+    assert err.line == line_of(text, f"value: {name}")
 
 
 def test_names_must_be_distinct():

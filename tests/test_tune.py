@@ -28,7 +28,8 @@ from replaygen.spec import load_spec_text
 from replaygen.tune import records as rec
 from replaygen.tune.apply import Mismatch, dispatch_table, resolve_configs, skipped_lines
 from replaygen.tune.objective import CheckResult, Evaluator, ReferenceChecker, TuneAborted, WorkloadTimer
-from replaygen.tune.records import Environment, RecordStore, TrialRecord, TrialStatus, TrialTiming, append_trials, latest_trials, read_records, record_path, render_candidate
+from replaygen.keys import render_candidate
+from replaygen.tune.records import Environment, RecordStore, TrialRecord, TrialStatus, TrialTiming, append_trials, latest_trials, read_records, record_path
 from replaygen.tune.report import format_summary, summary_rows
 from replaygen.tune.run import gpu_name_of
 from replaygen.tune.space import PruneRule, derive_space
@@ -199,48 +200,38 @@ def key_parts(candidate):
     return {"source": k.source_sha256, "template": k.template_sha256, "spec": k.spec_content_sha256, "shape": k.shape_sha256}
 
 
-def changed(a, b):
-    return {name for name in a if a[name] != b[name]}
-
-
-def test_each_key_input_changes_its_part_only(mamba2, monkeypatch, tmp_path):
+def test_what_changes_a_kernel_key(mamba2, monkeypatch, tmp_path):
+    """A trial's key is the code it ran: the spec's description, another kernel's template or a comment leave it as
+    it was; the shape's sizes, the config and the kernel's own text change it. The environment is not part of it."""
     config = KernelConfig(block_v=16, num_warps=2, flush_at=3)
-    base = key_parts(render_candidate(mamba2, SHAPE, RD, config))
-    base_env = env().fingerprint()
-    # spec: what it says of the recurrence, dtypes and buffer; not its description, comments or other shapes
+
+    def key(spec=mamba2, shape=SHAPE, kind=RD, candidate=config):
+        return render_candidate(spec, shape, kind, candidate).key.code
+
+    base = key()
     text = (ROOT / "specs" / "mamba2.yaml").read_text()
-    described = load_spec_text(text.replace("description:", "description: (edited)"), "mamba2.yaml")
-    assert changed(base, key_parts(render_candidate(described, SHAPE, RD, config))) == set()
-    fewer_dtypes = load_spec_text(text.replace("activations: [bfloat16, float16, float32]", "activations: [bfloat16, float32]"), "mamba2.yaml")
-    assert "spec" in changed(base, key_parts(render_candidate(fewer_dtypes, SHAPE, RD, config)))
-    # shape
-    assert changed(base, key_parts(render_candidate(mamba2, replace(SHAPE, capacity=5), RD, config))) == {"source", "shape"}
-    # GPU name and triton version: the environment only
-    assert env(gpu="a100").fingerprint() != base_env and env(triton="0.0.1").fingerprint() != base_env
-    assert env(device_name="x").fingerprint() != base_env and env(compute_capability="8.0").fingerprint() != base_env
-    assert key_parts(render_candidate(mamba2, SHAPE, RD, config)) == base  # no environment input at all
-    # the config itself
-    assert changed(base, key_parts(render_candidate(mamba2, SHAPE, RD, replace(config, num_warps=4)))) == {"source"}
-    # templates (last: they switch the template folder): a comment leaves the code a trial runs as it was; a change
-    # to one kernel's text changes the keys of the trials that run it only
-    baseline = key_parts(render_candidate(mamba2, SHAPE, BD, KernelConfig(block_v=16)))
+    assert key(load_spec_text(text.replace("description:", "description: (edited)"), "mamba2.yaml")) == base
+    assert key(load_spec_text(text.replace("activations: [bfloat16, float16, float32]", "activations: [bfloat16, float32]"), "mamba2.yaml")) != base
+    assert key(shape=replace(SHAPE, capacity=5)) != base
+    assert key(candidate=replace(config, num_warps=4)) != base
+    baseline = key(kind=BD, candidate=KernelConfig(block_v=16))
     variant = tmp_path / "templates"
-    shutil.copytree(ROOT / "templates", variant)
+    shutil.copytree(ROOT / "replaygen" / "templates", variant)
     module = variant / "module.py.j2"
     module.write_text(module.read_text().replace("import torch\n", "import torch  # variant\n", 1))
     monkeypatch.setenv("REPLAYGEN_TEMPLATES", str(variant))
-    assert changed(base, key_parts(render_candidate(mamba2, SHAPE, RD, config))) == {"template"}
-    kernel = variant / "kernels" / "replay_decode.j2"
-    kernel.write_text(kernel.read_text().replace("{{ m.program_prologue() }}\n", "{{ m.program_prologue() }}\n    i_unused = 0\n", 1))
-    assert changed(base, key_parts(render_candidate(mamba2, SHAPE, RD, config))) == {"source", "template"}
-    assert changed(baseline, key_parts(render_candidate(mamba2, SHAPE, BD, KernelConfig(block_v=16)))) == {"template"}
+    assert key() == base
+    kernel = variant / "kernels" / "replay_decode.py.j2"
+    kernel.write_text(kernel.read_text().replace("    if EARLY_WAIT:\n        gdc_wait()\n{{ m.program_prologue() }}\n", "    if EARLY_WAIT:\n        gdc_wait()\n{{ m.program_prologue() }}\n    i_unused = 0\n", 1))
+    assert key() != base
+    assert key(kind=BD, candidate=KernelConfig(block_v=16)) == baseline
 
 
 def test_candidate_runs_the_config_everywhere_and_defaults_elsewhere(mamba2):
     config = KernelConfig(block_v=16, num_warps=2, flush_at=3)
     source = render_candidate(mamba2, SHAPE, RD, config).source
-    assert "_REPLAY_DECODE_CONFIGS = (\n    (None, " + repr(config.as_dict()) + ")," in source
-    assert '"gpu": "any"' in source
+    assert "_REPLAY_DECODE_CONFIGS = (\n    (None, " + repr(config.as_dict(RD)) + ")," in source
+    assert "\n# gpu        any\n" in source
 
 
 # --- record files ------------------------------------------------------------------------------
@@ -302,13 +293,36 @@ def test_corrupt_file_is_named_and_nothing_else_is_lost(mamba2, tmp_path):
 def test_malformed_trial_is_located(mamba2, tmp_path):
     path = write(tmp_path, mamba2, SHAPE, [trial(mamba2, SHAPE, BD, KernelConfig(block_v=8), 8, 1.0)] * 1)
     raw = json.loads(path.read_text())
-    raw["trials"][0]["status"] = "great"
+    status = rec.COLUMNS.index("status")
+    raw["trials"][0][status] = "great"
     path.write_text(json.dumps(raw))
-    with pytest.raises(TuningRecordError, match=r"trial 0 is malformed \(ValueError"):
+    with pytest.raises(TuningRecordError, match=r"trial 0 \(.*'great' is not a valid TrialStatus"):
         read_records(path)
-    path.write_text(json.dumps({"format": 99}))
-    with pytest.raises(TuningRecordError, match="not a tuning record of format 1, 2 or 3"):
+    raw["trials"][0][status] = "ok"
+    raw["trials"][0][rec.COLUMNS.index("config")][1] = True  # num_warps
+    path.write_text(json.dumps(raw))
+    with pytest.raises(TuningRecordError, match=r"trial 0 \(.*knob num_warps must be int, got True"):
         read_records(path)
+    raw["trials"][0][rec.COLUMNS.index("config")][1] = 4
+    raw["knobs"][1] = "num_threads"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(TuningRecordError, match=r"unknown knob\(s\) num_threads"):
+        read_records(path)
+    path.write_text(json.dumps({"format": 3, "trials": []}))
+    with pytest.raises(TuningRecordError, match=r"not a tuning record of format 4 \(format 3\); records of earlier formats are in git history"):
+        read_records(path)
+
+
+def test_record_files_hold_one_header_and_a_line_per_trial(mamba2, tmp_path):
+    """The environment and each kernel key's definitions once per file; a trial is one short line."""
+    trials = [trial(mamba2, SHAPE, RD, KernelConfig(block_v=16, flush_at=f), 8, 1.0 + f) for f in (1, 2, 3)]
+    path = write(tmp_path, mamba2, SHAPE, trials)
+    text = path.read_text()
+    assert text.count("NVIDIA H100 80GB HBM3") == 1
+    lines = text.splitlines()
+    rows = [line for line in lines if line.lstrip().startswith('["')]
+    assert len(rows) == 3 and all(len(line) < 400 for line in rows)
+    assert read_records(path).trials == tuple(trials)
 
 
 def test_records_survive_edits_that_change_no_kernel(mamba2, tmp_path):
@@ -339,35 +353,9 @@ def test_aligned_trials_stand_for_the_group_count_the_build_ships(mamba2, tmp_pa
     ])
     two = resolve_configs(mamba2, shape, "h100", tmp_path, flush_groups=2)
     assert two.configs[RD] == (rec.BucketConfig(32, spread), rec.BucketConfig(None, replace(aligned, flush_groups=2)))
-    assert "b32: 0.0530 ms" in " ".join(two.notes)
+    assert "b32 53.0 us" in " ".join(two.lines)
     one = resolve_configs(mamba2, shape, "h100", tmp_path, flush_groups=1)
     assert one.configs[RD] == (rec.BucketConfig(None, aligned),)
-
-
-@pytest.mark.parametrize("record_format", [1, 2])
-def test_records_keyed_with_the_argument_checks_are_kept_and_never_applied(mamba2, tmp_path, record_format):
-    """Records of formats 1 and 2 hashed a trial's code with the module's argument checks, so a hash of theirs matches
-    no code now: read and kept (merged writes keep them marked), never applied, and the build says why. Format 1
-    also named the spec file's bytes instead of the spec's content."""
-    shape = mamba2.shape("nemotron-h")
-    config = KernelConfig(block_v=32, num_warps=8, flush_at=8)
-    path = write(tmp_path, mamba2, shape, [trial(mamba2, shape, RD, config, 8, 0.1)])
-    raw = json.loads(path.read_text())
-    raw["format"] = record_format
-    if record_format == 1:
-        for t in raw["trials"]:
-            del t["key"]["spec_content_sha256"]
-            t["key"]["spec_sha256"] = mamba2.source_sha256
-    path.write_text(json.dumps(raw))
-    kept = read_records(path).trials[0]
-    assert kept.key.checks_in_source and kept.key.spec_file_sha256 == (mamba2.source_sha256 if record_format == 1 else "")
-    with pytest.raises(TuningRecordError, match=r"keyed with the module's argument checks \(a record of format 1 or 2\)"):
-        resolve_configs(mamba2, shape, "h100", tmp_path)
-    append_trials(path, spec=mamba2.name, shape=shape.name, gpu="h100", trials=[trial(mamba2, shape, BD, KernelConfig(block_v=16), 8, 0.2)])
-    rewritten = json.loads(path.read_text())
-    assert rewritten["format"] == 3 and rewritten["trials"][0]["key"]["checks_in_source"] is True
-    assert "checks_in_source" not in rewritten["trials"][1]["key"]
-    assert read_records(path).trials[0].key.checks_in_source and not read_records(path).trials[1].key.checks_in_source
 
 
 def test_timings_that_cannot_be_are_refused(mamba2, tmp_path):
@@ -375,24 +363,26 @@ def test_timings_that_cannot_be_are_refused(mamba2, tmp_path):
     instead of being applied (a NaN or negative time would win every bucket) or read as empty."""
     path = write(tmp_path, mamba2, SHAPE, [trial(mamba2, SHAPE, BD, KernelConfig(block_v=8), 8, 1.0)])
     good = json.loads(path.read_text())
-    for value in (float("nan"), -1.0, 0, "fast", None):
+    median = rec.COLUMNS.index("median_ms")
+    for value, message in ((float("nan"), "finite and positive"), (-1.0, "finite and positive"), (0, "finite and positive"), ("fast", "median_ms must be a number")):
         raw = json.loads(json.dumps(good))
-        raw["trials"][0]["timing"]["median_ms"] = value
+        raw["trials"][0][median] = value
         path.write_text(json.dumps(raw))
-        with pytest.raises(TuningRecordError, match=r"trial 0 is malformed"):
+        with pytest.raises(TuningRecordError, match=rf"trial 0 \(.*{message}"):
             read_records(path)
     raw = json.loads(json.dumps(good))
-    raw["trials"][0]["timing"] = None
+    raw["trials"][0][median] = None
     path.write_text(json.dumps(raw))
-    with pytest.raises(TuningRecordError, match=r"trial 0 is malformed \(ValueError: a trial that ran \(status ok\) has no timing"):
+    with pytest.raises(TuningRecordError, match=r"trial 0 \(.*a trial that ran \(status ok\) has no timing"):
         read_records(path)
-    for trials in (5, None, "missing"):
-        raw = {k: v for k, v in good.items() if k != "trials" or trials != "missing"}
-        if trials != "missing":
-            raw["trials"] = trials
+    for trials in (5, None):
+        raw = dict(good, trials=trials)
         path.write_text(json.dumps(raw))
-        with pytest.raises(TuningRecordError, match=r"its 'trials' must be a list"):
+        with pytest.raises(TuningRecordError, match=r"'trials' must be a list"):
             read_records(path)
+    path.write_text(json.dumps({k: v for k, v in good.items() if k != "trials"}))
+    with pytest.raises(TuningRecordError, match=r"its keys must be"):
+        read_records(path)
     path.write_bytes(b"\xff\xfe{")
     with pytest.raises(TuningRecordError, match=r"not UTF-8 text at byte 0"):
         read_records(path)

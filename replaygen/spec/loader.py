@@ -7,17 +7,12 @@ recurrence is chosen from enumerated primitives (no formulas are evaluated).
 
 from __future__ import annotations
 
-import builtins
 import enum
 import hashlib
 import keyword
 import re
-from collections.abc import Iterator
-from functools import lru_cache
 from pathlib import Path
 from typing import TypeVar
-
-import jinja2
 
 from replaygen.errors import SpecError
 from replaygen.spec.model import (
@@ -54,22 +49,10 @@ MAX_VALUE_DIM = 512
 MAX_WINDOW = 16
 SPEC_NAME = re.compile(r"[a-z][a-z0-9_]*")  # matched whole (fullmatch), as SHAPE_NAME
 SHAPE_NAME = re.compile(r"[a-z0-9][a-z0-9.-]*")
-# How the templates spell an input or weight name in generated code (macros.j2: step_params, step_args): host
-# functions take it as the parameter NAME, kernels as the pointer NAME_ptr and the strides s_NAME_b, _h and _t.
-KERNEL_SPELLINGS = ("{}_ptr", "s_{}_b", "s_{}_h", "s_{}_t")
-# A template's python text, each Jinja tag (or piece of one) replaced by TAG_MARK, read as: the start of a top-level
-# statement (a line that opens with a name or a decorator after any tags), a string, a comment, or a name (not an
-# attribute). An f-string's fields are code: FIELD_NAME finds their names (not conversions such as !r).
-TAG_MARK = "\0"
-TEMPLATE_TEXT = re.compile(
-    r"(?P<statement>^\0*(?=[A-Za-z_@]))"
-    r"""|(?P<prefix>[rRbBuUfF]{0,2})(?P<quote>'{3}|"{3}|['"])(?P<body>(?:\\.|.)*?)(?P=quote)"""
-    r"|#[^\n]*"
-    r"|(?<![\w.])(?P<name>[A-Za-z_]\w*)",
-    re.DOTALL | re.MULTILINE,
-)
-FSTRING_FIELD = re.compile(r"\{([^{}]*)\}")
-FIELD_NAME = re.compile(r"(?<![\w.!])[A-Za-z_]\w*")
+# The parameters the generated API functions take beside the spec's inputs and weights (decode, baseline_decode,
+# verify and baseline_verify take both as keywords), so no input or weight may be named like one. Every other
+# identifier of the generated code spells a spec name with a prefix of its own (replaygen.plan.SPEC_NAME_PREFIX).
+API_PARAMETERS = frozenset({"state", "slots", "out", "route", "flush_at", "snapshots", "current"})
 # Primitives the language names but no template of this version implements.
 NOT_IMPLEMENTED = {
     UpdateKind.TRAPEZOID: "the trapezoid (Mamba-3) update",
@@ -173,64 +156,13 @@ def _identifier(node: Node) -> str:
     value = _string(node)
     if not value.isidentifier() or not value.isascii() or keyword.iskeyword(value) or value.startswith("_"):
         raise node.error(f"'{value}' is not a valid name (ASCII identifier, not a python keyword, no leading underscore)")
-    clash = _clash_with_generated_code(value)
-    if clash:
-        raise node.error(f"'{value}' cannot name an input or weight: {clash}; choose another name")
+    if value in API_PARAMETERS:
+        raise node.error(f"'{value}' cannot name an input or weight: the generated functions take a parameter '{value}' of their own ({', '.join(sorted(API_PARAMETERS))}); choose another name")
     return value
 
 
 def _optional_identifier(node: Node | None) -> str | None:
     return None if node is None or node.value is None else _identifier(node)
-
-
-def _clash_with_generated_code(name: str) -> str | None:
-    """What spec name `name`, as the generated module spells it, would collide with there; None if nothing."""
-    from replaygen.codegen import template_dir  # here, not at the top: codegen imports the spec package
-
-    if name in vars(builtins):
-        return f"it would shadow the python builtin '{name}'"
-    outside_kernels, everywhere = _template_identifiers(template_dir())
-    if name in outside_kernels:
-        return f"the generated module uses '{name}' itself (template {outside_kernels[name]})"
-    for spelling in KERNEL_SPELLINGS:
-        kernel_name = spelling.format(name)
-        if kernel_name in everywhere:
-            return f"its kernel parameter '{kernel_name}' collides with '{kernel_name}' of the generated kernels (template {everywhere[kernel_name]})"
-    return None
-
-
-@lru_cache(maxsize=4)
-def _template_identifiers(root: Path) -> tuple[dict[str, str], dict[str, str]]:
-    """The identifiers in the python text of the templates under `root`, each with the first template using it:
-    those outside `@triton.jit` functions (which a host function's parameter may shadow) and all of them (kernels
-    see a spec name only in its KERNEL_SPELLINGS). Names that tags piece together (b_h{{ n }}) are not seen: the
-    templates piece together only kernel locals, which no KERNEL_SPELLING matches, and names they also spell out."""
-    lexer = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-    outside_kernels: dict[str, str] = {}
-    everywhere: dict[str, str] = {}
-    for path in sorted(root.rglob("*.j2")):
-        template = path.relative_to(root).as_posix()
-        text = "".join(value if kind == "data" else TAG_MARK for _, kind, value in lexer.lex(path.read_text(encoding="utf-8")))
-        in_kernel = after_jit = False
-        for match in TEMPLATE_TEXT.finditer(text):
-            if match["statement"] is not None:
-                jit = text.startswith("@triton.jit", match.end())
-                in_kernel = jit or (after_jit and text.startswith("def ", match.end()))
-                after_jit = jit
-            for name in _identifiers_of(match):
-                everywhere.setdefault(name, template)
-                if not in_kernel:
-                    outside_kernels.setdefault(name, template)
-    return outside_kernels, everywhere
-
-
-def _identifiers_of(match: re.Match[str]) -> Iterator[str]:
-    """The identifiers of one TEMPLATE_TEXT match: a name, or the names in an f-string's fields."""
-    if match["name"]:
-        yield match["name"]
-    elif match["quote"] and "f" in match["prefix"].lower():
-        for field in FSTRING_FIELD.finditer(match["body"].replace("{{", "").replace("}}", "")):
-            yield from FIELD_NAME.findall(field[1])
 
 
 class _SpecBuilder:

@@ -24,7 +24,8 @@ from replaygen.errors import ReplaygenError, one_line
 from replaygen.runtime import import_source
 from replaygen.spec.model import Spec, TargetShape
 from replaygen.traffic import verify_flush_period
-from replaygen.tune.records import Candidate, TrialStatus, TrialTiming
+from replaygen.keys import Candidate
+from replaygen.tune.records import TrialStatus, TrialTiming
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +79,9 @@ class Evaluator:
     def evaluate(self, candidate: Candidate, batch: int) -> Outcome:
         try:
             module = self.loader(candidate)
-            check = self._checked.get(candidate.key.source_sha256)
+            check = self._checked.get(candidate.key.code)
             if check is None:
-                check = self._checked[candidate.key.source_sha256] = self.checker(module, candidate)
+                check = self._checked[candidate.key.code] = self.checker(module, candidate)
             if not check.ok:
                 return Outcome(status=TrialStatus.WRONG, timing=None, error=check.detail)
             return Outcome(status=TrialStatus.OK, timing=self.timer(module, candidate, batch))

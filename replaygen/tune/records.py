@@ -1,20 +1,14 @@
-"""Tuning records: what a kernel is (its key), where it ran (its environment), how fast (its trials).
+"""Tuning records: every measured trial of one spec and shape on one GPU, stored; nothing here renders code.
 
-One JSON file per spec and shape and GPU: `tune/<gpu>/<spec>_<shape>.json`, holding every
-measured trial (winners and losers, failures as such) with raw timings. Each trial carries
+One JSON file per spec, shape and GPU: `tune/<gpu>/<spec>_<shape>.json` (format 4). Its header names the spec,
+shape and GPU, the environments the trials ran in (device name, compute capability, Triton and replaygen versions),
+the config knobs in column order, the digests of the module definitions the trials' code covers, and for each
+kernel key which of them it covers (`replaygen.keys`); each trial is then one compact row: id, study, kernel kind, batch size, activation dtype,
+environment (its index), kernel key, config values, status, timings, error.
 
-- its kernel key: the sha256 of the code the trial ran (`TIMED_ENTRY_POINTS`: the part of the
-  rendered candidate module that the timed functions reach, without comments, docstrings and argument
-  checks; `codegen.reachable_source`), so edits to other kernels, comments, docstrings or the checks of
-  bad input leave the record applicable, plus the template, spec and shape hashes it was rendered from
-  (provenance; a changed spec or shape also stops it matching);
-- its environment: GPU name (the records folder, e.g. h100), device name and compute
-  capability, the Triton version string (`triton.__version__`; not a hash of Triton's files)
-  and the replaygen version.
-
-Writes are atomic (temp file + rename, under a lock on the folder) and merge with what the
-file holds, so an interrupted tune loses nothing written and another file is never touched.
-A file that does not parse is reported by name and never overwritten.
+Writes are atomic (temp file + rename, under a lock on the folder) and merge with what the file holds, so an
+interrupted tune loses nothing written and another file is never touched. A file that does not parse is reported
+by name and never overwritten.
 """
 
 from __future__ import annotations
@@ -31,32 +25,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from replaygen import __version__
-from replaygen.codegen import reachable_source, render_module, source_hash, template_hash, write_if_changed
-from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route, module_defaults
+from replaygen.files import write_if_changed
+from replaygen.configs import KNOB_KINDS, KernelConfig, KernelKind
 from replaygen.errors import TuningRecordError
-from replaygen.plan import plan_module
+from replaygen.keys import KernelKey
 from replaygen.spec.model import Spec, TargetShape
 
-# Format 3 keys a trial's code without the module's argument checks (codegen.ARGUMENT_CHECK_PREFIX). Formats 1 and 2
-# hashed them with the rest, so their trials (KernelKey.checks_in_source) match no code now and are kept to be timed
-# again (`tune --recorded`). Format 2 keys a trial by the spec's content (spec_content_sha256); format 1 by the spec
-# file's bytes.
-RECORD_FORMAT = 3
-READABLE_FORMATS = (1, 2, 3)
-# The module functions a trial of each kind runs (replaygen.measure's workloads: allocation, then the timed step);
-# a trial's key hashes the code they reach.
-TIMED_ENTRY_POINTS: dict[KernelKind, tuple[str, ...]] = {
-    KernelKind.BASELINE_DECODE: ("allocate_baseline", "baseline_decode"),
-    KernelKind.REPLAY_DECODE: ("allocate", "decode"),
-    KernelKind.REPLAY_VERIFY: ("allocate", "verify", "commit"),
-    KernelKind.BASELINE_VERIFY: ("allocate_snapshots", "baseline_verify", "baseline_commit"),
-    KernelKind.MATERIALIZE: ("allocate", "materialize"),
-    KernelKind.LOAD: ("allocate", "load"),
-    KernelKind.COMMIT: ("allocate", "commit"),
-}
-# Candidates are rendered for no particular GPU, so the GPU name stays out of the kernel key.
-CANDIDATE_GPU = "any"
-CANDIDATE_SOURCE = "tune candidate"
+RECORD_FORMAT = 4
+COLUMNS = ("id", "study", "kind", "batch", "dtype", "environment", "key", "config", "status", "median_ms", "p20_ms", "p80_ms", "samples", "error")
 
 
 class TrialStatus(enum.Enum):
@@ -82,8 +58,8 @@ def _enum_value(value: object) -> object:
 class Environment:
     """Where trials ran."""
 
-    gpu: str  # the records folder name, e.g. "h100"
-    device_name: str  # e.g. "NVIDIA H100 80GB HBM3"
+    gpu: str  # the records folder name, e.g. "h200"
+    device_name: str  # e.g. "NVIDIA H200"
     compute_capability: str  # e.g. "9.0"
     triton: str  # triton.__version__
     replaygen: str  # replaygen.__version__
@@ -101,67 +77,6 @@ def current_environment(gpu: str, device: object) -> Environment:
     return Environment(gpu=gpu, device_name=props.name, compute_capability=f"{props.major}.{props.minor}", triton=triton.__version__, replaygen=__version__)
 
 
-@dataclass(frozen=True, kw_only=True)
-class KernelKey:
-    """What was timed: one kernel kind in one rendered module."""
-
-    kind: KernelKind
-    source_sha256: str  # the code the trial ran: reachable_source of the candidate module from TIMED_ENTRY_POINTS[kind]
-    template_sha256: str
-    spec_content_sha256: str  # spec_content_sha256(spec): a shape added to the spec or an edited comment leaves it as it was
-    shape_sha256: str
-    spec_file_sha256: str = ""  # records of format 1 name the spec file's bytes instead (spec_content_sha256 empty)
-    checks_in_source: bool = False  # keyed before format 3: source_sha256 also covers the argument checks
-
-
-@dataclass(frozen=True, kw_only=True)
-class Candidate:
-    """One config of one kernel kind, rendered: the module a trial imports, checks and times."""
-
-    key: KernelKey
-    config: KernelConfig
-    source: str
-
-    @property
-    def kind(self) -> KernelKind:
-        return self.key.kind
-
-
-def shape_sha256(shape: TargetShape) -> str:
-    return canonical_sha256(asdict(shape))
-
-
-def spec_content_sha256(spec: Spec) -> str:
-    """What the spec says about the recurrence, its buffer and its dtypes: every field but the description, the
-    target shapes and the file it was read from. Adding a shape or editing a comment or the description leaves it as
-    it was, so tuning records (keyed by it, by the shape's own sizes and by the code a trial ran) stay applicable."""
-    content = asdict(spec)
-    for name in ("description", "shapes", "source_file", "source_sha256"):
-        del content[name]
-    return canonical_sha256(content)
-
-
-def candidate_tables(spec: Spec, shape: TargetShape, kind: KernelKind, config: KernelConfig) -> dict[KernelKind, tuple[BucketConfig, ...]]:
-    """The dispatch tables of a candidate: `config` for `kind` (every bucket), the defaults for every other kernel."""
-    configs = module_defaults(spec, shape)
-    configs[kind] = (BucketConfig(None, config),)
-    return configs
-
-
-def render_candidate(spec: Spec, shape: TargetShape, kind: KernelKind, config: KernelConfig) -> Candidate:
-    """The module that runs `config` for `kind` (every bucket) and the defaults for every other kernel."""
-    configs = candidate_tables(spec, shape, kind, config)
-    source = render_module(plan_module(spec, shape, CANDIDATE_GPU, configs, CANDIDATE_SOURCE))
-    key = KernelKey(
-        kind=kind,
-        source_sha256=source_hash(reachable_source(source, TIMED_ENTRY_POINTS[kind])),
-        template_sha256=template_hash(),
-        spec_content_sha256=spec_content_sha256(spec),
-        shape_sha256=shape_sha256(shape),
-    )
-    return Candidate(key=key, config=config, source=source)
-
-
 @dataclass(frozen=True)
 class TrialTiming:
     """Per-step time of one trial (see measure.Timing)."""
@@ -176,26 +91,13 @@ class TrialTiming:
         """From a measure.Timing (or anything with its fields)."""
         return cls(float(timing.median_ms), float(timing.p20_ms), float(timing.p80_ms), int(timing.samples))
 
-    @classmethod
-    def from_dict(cls, raw: dict) -> TrialTiming:
-        """As a record file holds it: times finite and positive (ms), at least one sample."""
-        if not isinstance(raw, dict) or set(raw) != {"median_ms", "p20_ms", "p80_ms", "samples"}:
-            raise TypeError(f"expected a timing with median_ms, p20_ms, p80_ms and samples, got {raw!r}")
-        times = [_number(raw[name]) for name in ("median_ms", "p20_ms", "p80_ms")]
-        if not all(math.isfinite(t) and t > 0 for t in times):
-            raise ValueError(f"times must be finite and positive, got {times}")
-        samples = _int(raw["samples"])
-        if samples < 1:
-            raise ValueError(f"samples must be at least 1, got {samples}")
-        return cls(*times, samples)
-
 
 @dataclass(frozen=True, kw_only=True)
 class TrialRecord:
     """One measured config at one batch size."""
 
     id: str  # unique (uuid4 hex); merging files keeps one trial per id
-    study: str  # the Optuna study name, or "exhaustive"
+    study: str  # the Optuna study name, "exhaustive" or "recorded"
     batch: int
     config: KernelConfig
     key: KernelKey
@@ -210,119 +112,14 @@ class TrialRecord:
         """The objective: median ms per step, inf unless OK (so it never wins)."""
         return self.timing.median_ms if self.status is TrialStatus.OK and self.timing else math.inf
 
-    def as_dict(self) -> dict[str, object]:
-        return {
-            "id": self.id,
-            "study": self.study,
-            "batch": self.batch,
-            "config": self.config.as_dict(),
-            "key": self._key_dict(),
-            "environment": asdict(self.environment),
-            "activation_dtype": self.activation_dtype,
-            "status": self.status.value,
-            "timing": asdict(self.timing) if self.timing else None,
-            "error": self.error,
-        }
-
-    def _key_dict(self) -> dict[str, object]:
-        key = {**asdict(self.key), "kind": self.key.kind.value}
-        if not key["checks_in_source"]:
-            del key["checks_in_source"]
-        legacy = key.pop("spec_file_sha256")
-        if legacy:
-            del key["spec_content_sha256"]
-            key["spec_sha256"] = legacy
-        return key
-
-    @classmethod
-    def from_dict(cls, raw: dict, record_format: int = RECORD_FORMAT) -> TrialRecord:
-        """A trial as `as_dict` wrote it into a record file of `record_format`."""
-        key = dict(raw["key"])
-        timing = raw["timing"]
-        status = TrialStatus(raw["status"])
-        if status is TrialStatus.OK and timing is None:
-            raise ValueError("a trial that ran (status ok) has no timing")
-        return cls(
-            id=_text(raw["id"]),
-            study=_text(raw["study"]),
-            batch=_int(raw["batch"]),
-            config=config_from_dict(raw["config"]),
-            key=KernelKey(
-                kind=KernelKind(key["kind"]),
-                source_sha256=_text(key["source_sha256"]),
-                template_sha256=_text(key["template_sha256"]),
-                spec_content_sha256=_text(key["spec_content_sha256"]) if "spec_content_sha256" in key else "",
-                spec_file_sha256="" if "spec_content_sha256" in key else _text(key["spec_sha256"]),
-                shape_sha256=_text(key["shape_sha256"]),
-                checks_in_source=record_format < 3 or _bool(key.get("checks_in_source", False)),
-            ),
-            environment=Environment(**{k: _text(v) for k, v in dict(raw["environment"]).items()}),
-            activation_dtype=_text(raw["activation_dtype"]),
-            status=status,
-            timing=None if timing is None else TrialTiming.from_dict(timing),
-            error=_text(raw["error"]),
-        )
-
-
-def config_from_dict(raw: dict) -> KernelConfig:
-    """A config as `KernelConfig.as_dict` wrote it; fields added since a record was written take their defaults
-    (where the kernel's code changed with them, the record's kernel key no longer matches, so it is never applied)."""
-    default = KernelConfig(block_v=raw["block_v"])
-    return KernelConfig(
-        block_v=_int(raw["block_v"]),
-        num_warps=_int(raw["num_warps"]),
-        num_stages=_int(raw["num_stages"]),
-        route=Route(raw["route"]),
-        flush_at=_int(raw["flush_at"]),
-        prefetch_ring=_bool(raw.get("prefetch_ring", default.prefetch_ring)),
-        fold_chunk=_int(raw.get("fold_chunk", default.fold_chunk)),
-        fold_dot=_bool(raw.get("fold_dot", default.fold_dot)),
-        precompute_scores=_bool(raw.get("precompute_scores", default.precompute_scores)),
-        fused_flush=_bool(raw.get("fused_flush", default.fused_flush)),
-        readout_dot=_bool(raw.get("readout_dot", default.readout_dot)),
-        max_registers=_int(raw.get("max_registers", default.max_registers)),
-        evict_state=_bool(raw.get("evict_state", default.evict_state)),
-        overlap_scores=_bool(raw.get("overlap_scores", default.overlap_scores)),
-        align_flushes=_bool(raw.get("align_flushes", default.align_flushes)),
-        flush_groups=_int(raw.get("flush_groups", default.flush_groups)),
-        window_block_v=_int(raw.get("window_block_v", default.window_block_v)),
-        window_warps=_int(raw.get("window_warps", default.window_warps)),
-        early_launch=_bool(raw.get("early_launch", default.early_launch)),
-        prefetch_fold_keys=_bool(raw.get("prefetch_fold_keys", default.prefetch_fold_keys)),
-        early_commit=_bool(raw.get("early_commit", default.early_commit)),
-    )
-
-
-def _bool(value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"expected true or false, got {value!r}")
-    return value
-
-
-def _int(value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"expected an integer, got {value!r}")
-    return value
-
-
-def _number(value: object) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise TypeError(f"expected a number, got {value!r}")
-    return float(value)
-
-
-def _text(value: object) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"expected a string, got {value!r}")
-    return value
-
 
 def latest_trials(trials: tuple[TrialRecord, ...] | list[TrialRecord]) -> list[TrialRecord]:
-    """`trials` less those timed again later: per kernel kind, source, batch size, environment and activation dtype
-    the last trial in record order counts (`tune --retime` measures known code again; its trial supersedes)."""
+    """`trials` less those a later trial supersedes: per kernel kind, config, batch size, environment and activation
+    dtype, the last trial in record order counts (`tune --retime`, or `tune --recorded` after a kernel change,
+    measures a config again), whatever code the earlier ones ran."""
     last: dict[tuple[object, ...], TrialRecord] = {}
     for trial in trials:
-        key = (trial.key.kind, trial.key.source_sha256, trial.batch, trial.environment, trial.activation_dtype)
+        key = (trial.key.kind, trial.config, trial.batch, trial.environment, trial.activation_dtype)
         last.pop(key, None)
         last[key] = trial
     return list(last.values())
@@ -330,7 +127,7 @@ def latest_trials(trials: tuple[TrialRecord, ...] | list[TrialRecord]) -> list[T
 
 def speed_rank(trial: TrialRecord) -> tuple[float, list[tuple[str, object]]]:
     """Sort key of trials: faster first, ties in a fixed order (by config)."""
-    return trial.value, sorted(trial.config.as_dict().items())
+    return trial.value, sorted(trial.config.fields().items())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -343,14 +140,45 @@ class RecordFile:
     trials: tuple[TrialRecord, ...]
 
     def render(self) -> str:
-        payload = {
+        """The file's text: the header fields, then one line per definition digest, kernel key and trial."""
+        environments = list(dict.fromkeys(t.environment for t in self.trials))
+        definitions = sorted({part for t in self.trials for part in t.key.parts})
+        index = {part: i for i, part in enumerate(definitions)}
+        codes = {t.key.code: [index[part] for part in t.key.parts] for t in self.trials}
+        knobs = list(KNOB_KINDS)
+        fields = {
             "format": RECORD_FORMAT,
             "spec": self.spec,
             "shape": self.shape,
             "gpu": self.gpu,
-            "trials": [t.as_dict() for t in self.trials],
+            "environments": [asdict(e) for e in environments],
+            "knobs": knobs,
+            "columns": list(COLUMNS),
         }
-        return json.dumps(payload, indent=1, sort_keys=True) + "\n"
+        lines = [f" {json.dumps(name)}: {json.dumps(value)}," for name, value in fields.items()]
+        lines += _block("definitions", [json.dumps(list(part)) for part in definitions], "[]")
+        lines += _block("codes", [f"{json.dumps(code)}: {json.dumps(parts)}" for code, parts in sorted(codes.items())], "{}")
+        lines += _block("trials", [json.dumps(_row(t, environments.index(t.environment), knobs)) for t in self.trials], "[]", last=True)
+        return "{\n" + "\n".join(lines) + "\n}\n"
+
+
+def _block(name: str, items: list[str], brackets: str, last: bool = False) -> list[str]:
+    """A JSON member holding `items` (already JSON) one per line."""
+    end = brackets[1] + ("" if last else ",")
+    if not items:
+        return [f" {json.dumps(name)}: {brackets}{'' if last else ','}"]
+    return [f" {json.dumps(name)}: {brackets[0]}", *(f"  {item}," for item in items[:-1]), f"  {items[-1]}", f" {end}"]
+
+
+def _row(trial: TrialRecord, environment: int, knobs: list[str]) -> list[object]:
+    fields = trial.config.fields()
+    timing = trial.timing
+    return [
+        trial.id, trial.study, trial.key.kind.value, trial.batch, trial.activation_dtype, environment, trial.key.code,
+        [fields[name] for name in knobs], trial.status.value,
+        *((timing.median_ms, timing.p20_ms, timing.p80_ms, timing.samples) if timing else (None, None, None, None)),
+        trial.error,
+    ]
 
 
 def record_path(tune_dir: Path, gpu: str, spec: Spec, shape: TargetShape) -> Path:
@@ -358,7 +186,7 @@ def record_path(tune_dir: Path, gpu: str, spec: Spec, shape: TargetShape) -> Pat
 
 
 def read_records(path: Path) -> RecordFile:
-    """Parse a record file; TuningRecordError naming it if it is truncated or malformed."""
+    """Parse a record file; TuningRecordError naming it (and the trial) if it is truncated or malformed."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
@@ -369,21 +197,128 @@ def read_records(path: Path) -> RecordFile:
         raw = json.loads(text)
     except json.JSONDecodeError as exc:
         raise TuningRecordError(f"{path}: corrupt or truncated tuning record (line {exc.lineno}, column {exc.colno}: {exc.msg}); restore it from git or delete it") from None
-    if not isinstance(raw, dict) or raw.get("format") not in READABLE_FORMATS:
-        formats = ", ".join(map(str, READABLE_FORMATS[:-1]))
-        raise TuningRecordError(f"{path}: not a tuning record of format {formats} or {READABLE_FORMATS[-1]}")
-    if not isinstance(raw.get("trials"), list):
-        raise TuningRecordError(f"{path}: malformed tuning record (its 'trials' must be a list, got {raw.get('trials')!r})")
-    trials = []
-    for index, trial in enumerate(raw["trials"]):
-        try:
-            trials.append(TrialRecord.from_dict(trial, raw["format"]))
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise TuningRecordError(f"{path}: trial {index} is malformed ({type(exc).__name__}: {exc})") from None
+    if not isinstance(raw, dict) or raw.get("format") != RECORD_FORMAT:
+        found = raw.get("format") if isinstance(raw, dict) else None
+        raise TuningRecordError(
+            f"{path}: not a tuning record of format {RECORD_FORMAT} (format {found!r}); records of earlier formats are in git history only: "
+            "time their configs again with `replaygen tune --recorded` from a checkout that reads them, or delete the file"
+        )
     try:
-        return RecordFile(spec=_text(raw["spec"]), shape=_text(raw["shape"]), gpu=_text(raw["gpu"]), trials=tuple(trials))
-    except (KeyError, TypeError) as exc:
-        raise TuningRecordError(f"{path}: malformed header ({type(exc).__name__}: {exc})") from None
+        return _parse(raw)
+    except _Malformed as exc:
+        raise TuningRecordError(f"{path}: malformed tuning record: {exc}") from None
+
+
+class _Malformed(Exception):
+    pass
+
+
+def _parse(raw: dict) -> RecordFile:
+    expected = {"format", "spec", "shape", "gpu", "environments", "knobs", "columns", "definitions", "codes", "trials"}
+    if set(raw) != expected:
+        raise _Malformed(f"its keys must be {', '.join(sorted(expected))}, got {', '.join(sorted(map(str, raw)))}")
+    if raw["columns"] != list(COLUMNS):
+        raise _Malformed(f"its columns must be {list(COLUMNS)}, got {raw['columns']!r}")
+    knobs = _list(raw["knobs"], "knobs")
+    unknown = [name for name in knobs if name not in KNOB_KINDS]
+    if unknown:
+        raise _Malformed(f"unknown knob(s) {', '.join(map(str, unknown))} (this replaygen knows {', '.join(KNOB_KINDS)})")
+    environments = []
+    for index, env in enumerate(_list(raw["environments"], "environments")):
+        if not isinstance(env, dict) or set(env) != {"gpu", "device_name", "compute_capability", "triton", "replaygen"}:
+            raise _Malformed(f"environment {index} must hold gpu, device_name, compute_capability, triton and replaygen, got {env!r}")
+        environments.append(Environment(**{name: _text(value, f"environment {index} {name}") for name, value in env.items()}))
+    definitions = _list(raw["definitions"], "definitions")
+    if not all(isinstance(d, list) and len(d) == 2 and all(isinstance(x, str) for x in d) for d in definitions):
+        raise _Malformed("'definitions' must be a list of [definition name, digest] pairs")
+    raw_codes = raw["codes"]
+    if not isinstance(raw_codes, dict):
+        raise _Malformed(f"'codes' must be a mapping of kernel key -> indices into 'definitions', got {str(raw_codes)[:80]}")
+    codes = {}
+    for code, indices in raw_codes.items():
+        if not isinstance(indices, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(definitions) for i in indices):
+            raise _Malformed(f"kernel key {code[:12]}: its definitions must be indices into 'definitions' (0..{len(definitions) - 1})")
+        codes[code] = tuple(tuple(definitions[i]) for i in indices)
+    trials = []
+    for index, row in enumerate(_list(raw["trials"], "trials")):
+        try:
+            trials.append(_trial(row, knobs, environments, codes))
+        except (_Malformed, TypeError, ValueError, KeyError, IndexError) as exc:
+            raise _Malformed(f"trial {index} ({str(row)[:80]}): {exc}") from None
+    return RecordFile(spec=_text(raw["spec"], "spec"), shape=_text(raw["shape"], "shape"), gpu=_text(raw["gpu"], "gpu"), trials=tuple(trials))
+
+
+def _trial(row: object, knobs: list[str], environments: list[Environment], codes: dict) -> TrialRecord:
+    if not isinstance(row, list) or len(row) != len(COLUMNS):
+        raise _Malformed(f"a trial is a list of {len(COLUMNS)} values ({', '.join(COLUMNS)})")
+    values = dict(zip(COLUMNS, row))
+    config_values = _list(values["config"], "config")
+    if len(config_values) != len(knobs):
+        raise _Malformed(f"its config holds {len(config_values)} values for {len(knobs)} knobs")
+    config = KernelConfig.from_fields(dict(zip(knobs, config_values)))
+    _check_types(config)
+    code = _text(values["key"], "key")
+    if code not in codes:
+        raise _Malformed(f"kernel key {code[:12]} is not listed under 'codes'")
+    status = TrialStatus(values["status"])
+    timing = None
+    if values["median_ms"] is not None:
+        times = [_number(values[name], name) for name in ("median_ms", "p20_ms", "p80_ms")]
+        if not all(math.isfinite(t) and t > 0 for t in times):
+            raise _Malformed(f"times must be finite and positive, got {times}")
+        samples = _integer(values["samples"], "samples")
+        if samples < 1:
+            raise _Malformed(f"samples must be at least 1, got {samples}")
+        timing = TrialTiming(*times, samples)
+    if status is TrialStatus.OK and timing is None:
+        raise _Malformed("a trial that ran (status ok) has no timing")
+    environment = _integer(values["environment"], "environment")
+    if not 0 <= environment < len(environments):
+        raise _Malformed(f"environment {environment} is not one of the {len(environments)} listed")
+    return TrialRecord(
+        id=_text(values["id"], "id"),
+        study=_text(values["study"], "study"),
+        batch=_integer(values["batch"], "batch"),
+        config=config,
+        key=KernelKey(kind=KernelKind(values["kind"]), code=code, parts=codes[code]),
+        environment=environments[environment],
+        activation_dtype=_text(values["dtype"], "dtype"),
+        status=status,
+        timing=timing,
+        error=_text(values["error"], "error"),
+    )
+
+
+def _check_types(config: KernelConfig) -> None:
+    defaults = KernelConfig(block_v=1)
+    for name, value in config.fields().items():
+        expected = type(defaults.fields()[name])
+        if type(value) is not expected:
+            raise _Malformed(f"knob {name} must be {expected.__name__}, got {value!r}")
+
+
+def _list(value: object, what: str) -> list:
+    if not isinstance(value, list):
+        raise _Malformed(f"'{what}' must be a list, got {value!r}"[:200])
+    return value
+
+
+def _integer(value: object, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _Malformed(f"{what} must be an integer, got {value!r}")
+    return value
+
+
+def _number(value: object, what: str) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise _Malformed(f"{what} must be a number, got {value!r}")
+    return float(value)
+
+
+def _text(value: object, what: str) -> str:
+    if not isinstance(value, str):
+        raise _Malformed(f"{what} must be a string, got {value!r}")
+    return value
 
 
 @contextmanager

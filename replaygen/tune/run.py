@@ -6,10 +6,10 @@ import re
 import sys
 from pathlib import Path
 
-from replaygen.build import check_gpu_name
 from replaygen.configs import KernelKind
 from replaygen.errors import ReplaygenError
 from replaygen.offline import architecture
+from replaygen.paths import gpu_name
 from replaygen.spec.model import Spec, TargetShape
 from replaygen.tune.objective import gpu_evaluator
 from replaygen.tune.records import RecordStore, current_environment, record_path
@@ -67,10 +67,9 @@ def run_tune(
     import torch
 
     device = torch.device("cuda")
-    gpu = gpu or gpu_name_of(torch.cuda.get_device_name(device))
-    check_gpu_name(gpu)
+    gpu = gpu_name(gpu) if gpu else gpu_name_of(torch.cuda.get_device_name(device))
     if recorded_gpu is not None:
-        check_gpu_name(recorded_gpu, "--recorded-gpu")
+        recorded_gpu = gpu_name(recorded_gpu, "--recorded-gpu")
     dtype_name = next(d for d in ACTIVATION_PREFERENCE if d in {a.value for a in spec.activations})
     act_dtype = getattr(torch, dtype_name)
     environment = current_environment(gpu, device)

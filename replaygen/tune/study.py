@@ -50,7 +50,8 @@ from replaygen.errors import ReplaygenError
 from replaygen.spec.model import DecayGranularity, Spec, TargetShape, UpdateKind
 from replaygen.traffic import state_bytes
 from replaygen.tune.objective import Evaluator, TuneAborted
-from replaygen.tune.records import Environment, RecordStore, TrialRecord, TrialStatus, canonical_sha256, latest_trials, render_candidate, spec_content_sha256, speed_rank
+from replaygen.keys import render_candidate
+from replaygen.tune.records import Environment, RecordStore, TrialRecord, TrialStatus, canonical_sha256, latest_trials, speed_rank
 from replaygen.tune.space import Scale, SearchSpace, derive_space
 
 log = logging.getLogger(__name__)
@@ -209,7 +210,7 @@ class Tuner:
         # With retime only the crashed trials are reused: a config that made the GPU unusable is not run again.
         reused = {TrialStatus.CRASHED} if settings.retime else REUSED_STATUSES
         self._known = {
-            (t.key.kind, t.key.source_sha256, t.batch): t
+            (t.key.kind, t.key.code, t.batch): t
             for t in self._comparable_trials()
             if t.status in reused
         }
@@ -233,7 +234,7 @@ class Tuner:
         digest = canonical_sha256({
             "space": task.space.key(),
             "template_sha256": template_hash(),
-            "spec_content_sha256": spec_content_sha256(task.spec),
+            "spec_sha256": task.spec.source_sha256,
             "environment": self.environment.fingerprint(),
             "activation_dtype": self.settings.activation_dtype,
         })
@@ -280,7 +281,7 @@ class Tuner:
     def _measure(self, task: SearchTask, config: KernelConfig, study: str) -> tuple[TrialRecord, bool]:
         """The trial of `config` at the task's batch: from the records if known, else timed and saved."""
         candidate = render_candidate(task.spec, task.shape, task.kind, config)
-        known = self._known.get((task.kind, candidate.key.source_sha256, task.batch))
+        known = self._known.get((task.kind, candidate.key.code, task.batch))
         if known is not None:
             return known, True
         outcome = self.evaluator.evaluate(candidate, task.batch)
@@ -297,7 +298,7 @@ class Tuner:
             error=outcome.error,
         )
         self.store.add(record)
-        self._known[(task.kind, candidate.key.source_sha256, task.batch)] = record
+        self._known[(task.kind, candidate.key.code, task.batch)] = record
         if outcome.device_lost:
             raise TuneAborted(
                 f"{task.label}: the GPU is unusable after {config.as_dict()} ({outcome.error}); it is recorded as crashed in {self.store.path} "
@@ -309,9 +310,9 @@ class Tuner:
         """Replay decode also starts from the baseline's step on the checkpoint (flush_at=1) in the launch shape of the
         best baseline decode recorded at this batch: a bucket where buffering does not pay keeps close to the baseline.
         The seeds fold one entry per loop step (fold_chunk=1): that loop runs only for entries a larger threshold left,
-        and unrolled chunks would cost registers, so programs per multiprocessor, on every step (docs/perf.md entry 12).
+        and unrolled chunks would cost registers, so programs per multiprocessor, on every step.
         Two seeds: the baseline's state eviction policy, then the other (evict-first saved the replay its cursor's
-        round trip at batch 1-8 where the baseline did not need it, docs/perf.md entry 14)."""
+        round trip at batch 1-8 where the baseline did not need it)."""
         if task.kind is not KernelKind.REPLAY_DECODE:
             return ()
         baselines = [
@@ -357,7 +358,7 @@ class Tuner:
             if space.prune_reason(config) is not None:  # a rule or validate_config changed since
                 continue
             values[config] = previous.value
-            known = self._known.get((task.kind, render_candidate(task.spec, task.shape, task.kind, config).key.source_sha256, task.batch))
+            known = self._known.get((task.kind, render_candidate(task.spec, task.shape, task.kind, config).key.code, task.batch))
             if known is not None:
                 results[config] = known
         target = space.count_candidates(self.settings.trials)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from replaygen.configs import KernelConfig
 from replaygen.errors import ReplaygenError
 from replaygen.offline import Architecture, CompileRun, compile_job
-from replaygen.tune.records import candidate_tables
+from replaygen.keys import candidate_tables
 
 if TYPE_CHECKING:
     from replaygen.tune.study import SearchTask
