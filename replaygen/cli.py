@@ -404,7 +404,7 @@ def _describe(shape) -> str:
 
 def cmd_show(args: argparse.Namespace) -> int:
     from replaygen.build import select_shapes
-    from replaygen.plan import _buffers
+    from replaygen.plan import buffers
     from replaygen.spec import load_spec
     from replaygen.spec.model import DType
     from replaygen.traffic import baseline_decode_bytes, entry_bytes, replay_decode_bytes, slot_memory, speedup_bound
@@ -416,7 +416,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     for shape in select_shapes(spec, args.shape):
         print(f"\nshape {shape.name}: {_describe(shape)}")
         print(f"  replay buffer per slot (ring of L + T = {shape.capacity + shape.window} entries, at most L committed):")
-        for buf in _buffers(spec, shape):
+        for buf in buffers(spec, shape):
             rows = "key_heads" if buf.per_key_head else "heads"
             n_rows = shape.key_heads if buf.per_key_head else shape.heads
             width = f", {buf.width}" if buf.width > 1 else ""

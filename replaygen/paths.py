@@ -63,7 +63,7 @@ def modules_dir(spec_path: Path) -> Path:
 def gpu_name(name: str, flag: str = "--gpu") -> str:
     """A GPU name as records and module folders are named (lowercase: 'H200' is 'h200'); ReplaygenError naming
     `flag` where it cannot name a folder."""
-    lowered = name.strip().lower()
+    lowered = name.lower()
     if not GPU_NAME.fullmatch(lowered):
         raise ReplaygenError(f"{flag} {name!r} must be letters, digits, '-' or '_' (e.g. h200)")
     return lowered

@@ -134,7 +134,7 @@ def test_catches_the_correction_without_the_current_decay(tmp_path, monkeypatch)
     """The classic bug: correcting against S_{t-1} instead of the decayed e^{g_t} S_{t-1}. Kernels rendered
     with that bug must fail the reference checks (the correct ones pass above)."""
     mutated = tmp_path / "templates"
-    shutil.copytree(ROOT / "templates", mutated)
+    shutil.copytree(ROOT / "replaygen" / "templates", mutated)
     macros = (mutated / "macros.j2").read_text()
     assert macros.count(CORRECTION) == 1
     (mutated / "macros.j2").write_text(macros.replace(CORRECTION, CORRECTION_WITHOUT_DECAY))
@@ -181,8 +181,8 @@ def test_per_channel_decay_kda_style():
         KernelConfig(block_v=8, route=Route.STATE_AND_OUTPUT),
     )
     for config in configs:
-        table = (BucketConfig(None, config),)
-        module = load_kernels(spec, shape, {KernelKind.REPLAY_DECODE: table, KernelKind.REPLAY_VERIFY: table})
+        verify = replace(config, fused_flush=True)  # the separate flush launch is decode's
+        module = load_kernels(spec, shape, {KernelKind.REPLAY_DECODE: (BucketConfig(None, config),), KernelKind.REPLAY_VERIFY: (BucketConfig(None, verify),)})
         assert_passes(check_decode(module, spec, shape, device=DEVICE, cycles=2, seed=12))
         assert_passes(check_speculative(module, spec, shape, device=DEVICE, steps=6, seed=13))
     with pytest.raises(UnsupportedShapeError, match="per-head decay"):

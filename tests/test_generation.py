@@ -166,7 +166,7 @@ def test_invalid_config_rejected_before_compile(mamba2):
     with pytest.raises(UnsupportedShapeError, match="readout_dot applies to replay_verify only"):
         plan_module(mamba2, shape, "h100", configs, "defaults")
     configs[KernelKind.REPLAY_DECODE] = (BucketConfig(None, KernelConfig(block_v=16, precompute_scores=True, window_block_v=16)),)
-    with pytest.raises(UnsupportedShapeError, match="window_block_v .the split verify. applies to replay_verify"):
+    with pytest.raises(UnsupportedShapeError, match="replay_decode: window_block_v applies to replay_verify only"):
         plan_module(mamba2, shape, "h100", configs, "defaults")
     configs[KernelKind.REPLAY_DECODE] = default_configs(KernelKind.REPLAY_DECODE, shape)
     configs[KernelKind.REPLAY_VERIFY] = (BucketConfig(None, KernelConfig(block_v=16, window_block_v=16)),)

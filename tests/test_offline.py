@@ -11,7 +11,7 @@ from replaygen.errors import ReplaygenError
 from replaygen.offline import CALLS, Architecture, CompileRun, architecture, bucket_batches, compile_job, compile_modules
 from replaygen.spec import load_spec, load_spec_text
 from replaygen.tune.apply import resolve_configs
-from replaygen.tune.records import candidate_tables, render_candidate
+from replaygen.keys import candidate_tables, render_candidate
 
 from conftest import ODD, ROOT, SMALL
 
@@ -142,7 +142,7 @@ def test_shared_memory_beyond_the_architecture_fails_the_call(mamba2):
 def test_a_compile_error_names_the_call_and_the_rest_still_compiles(mamba2, monkeypatch):
     """A kernel the compiler rejects (here the commit kernel, by an injected static assertion) fails its calls only."""
     render = codegen.render_module
-    commit_body = "    BLOCK_H: tl.constexpr,\n):\n"
+    commit_body = "    BLOCK_H: tl.constexpr,\n    EARLY_WAIT: tl.constexpr,\n):\n"
 
     def broken(plan):
         source = render(plan)
@@ -158,7 +158,7 @@ def test_a_compile_error_names_the_call_and_the_rest_still_compiles(mamba2, monk
 
 def test_a_module_without_the_expected_launch_code_stops_the_worker(mamba2):
     job = compile_job(mamba2, SMALL, module_defaults(mamba2, SMALL), SM90, "bfloat16")
-    with pytest.raises(ReplaygenError, match="worker exited with 1.*has no _overlap_scores"):
+    with pytest.raises(ReplaygenError, match="worker exited with 1.*has no _dependent_launch or _on_gpu"):
         compile_modules([replace(job, source="import torch\n")])
 
 

@@ -5,14 +5,15 @@ from dataclasses import replace
 import pytest
 import torch
 
-from replaygen.codegen import reachable_source, render_module
 from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route, module_defaults
 from replaygen.harness import InputFactory, check_decode, check_speculative, relative_error
+from replaygen.codegen import render_module
 from replaygen.plan import plan_module
 from replaygen.reference import Reference
 from replaygen.runtime import load_kernels
 from replaygen.spec import load_spec
-from replaygen.tune.records import TIMED_ENTRY_POINTS
+from replaygen.keys import render_candidate
+from replaygen.tune.apply import changed_definitions
 
 from conftest import DEVICE, ODD, ROOT, SMALL
 
@@ -29,11 +30,10 @@ def assert_passes(report, kernels=("replay_verify", "materialize")):
     assert set(kernels) <= set(report.worst), report.worst
 
 
-def timed_verify_source(spec, shape, config):
-    """The code a replay verify trial of `config` times (what its record's source hash covers)."""
-    verify = (BucketConfig(None, config),)
-    source = render_module(plan_module(spec, shape, "any", module_defaults(spec, shape) | {KernelKind.REPLAY_VERIFY: verify}, "defaults"))
-    return reachable_source(source, TIMED_ENTRY_POINTS[KernelKind.REPLAY_VERIFY])
+def knob_changes(spec, shape, kind, config, **knob):
+    """Which definitions of the code a trial of `config` times change with `knob` set: a knob is a value in the
+    kind's dispatch table, read as a constexpr, never other kernel text."""
+    return changed_definitions(render_candidate(spec, shape, kind, config).key, render_candidate(spec, shape, kind, replace(config, **knob)).key)
 
 
 @pytest.mark.parametrize("tokens", [1, 2, 4])
@@ -118,8 +118,8 @@ def test_split_verify(mamba2, tokens, window_block_v, overlap):
 def test_early_launch_changes_no_result(spec_file):
     """early_launch (the step's kernels as programmatic dependents of the kernel before them, each waiting for it
     first; sm90+ only, so the interpreter runs them in stream order): decode on both kinds of step, verify + commit
-    in one launch and split, with and without overlapped scores, against the reference; where no config launches
-    early the module has no trace of it, so the kernels the records timed are unchanged."""
+    in one launch and split, with and without overlapped scores, against the reference; the knob changes only the
+    kind's dispatch table."""
     spec = load_spec(ROOT / "specs" / spec_file)
     shape = replace(SMALL, capacity=9, window=4)
     decode = KernelConfig(block_v=8, num_warps=1, precompute_scores=True, overlap_scores=True, early_launch=True)
@@ -128,46 +128,31 @@ def test_early_launch_changes_no_result(spec_file):
     tables = {KernelKind.REPLAY_DECODE: (BucketConfig(2, replace(decode, flush_at=1)), BucketConfig(None, decode)),
               KernelKind.REPLAY_VERIFY: (BucketConfig(2, replace(verify, precompute_scores=False)), BucketConfig(None, split))}
     module = load_kernels(spec, shape, tables)
-    assert not module._early_launch({"early_launch": True}, torch.device(DEVICE))
+    assert not module._dependent_launch(torch.device(DEVICE))
     for batch in (2, 3):
         report = check_speculative(module, spec, shape, device=DEVICE, tokens=4, mixed=True, steps=10, seed=40 + batch, batch=batch)
         assert_passes(report, ("replay_verify", "replay_decode", "materialize"))
-    plain = {kind: (BucketConfig(None, replace(table[-1].config, early_launch=False)),) for kind, table in tables.items()}
-    assert "EARLY_WAIT" in render_module(plan_module(spec, shape, "any", module_defaults(spec, shape) | tables, "defaults"))
-    assert "EARLY_WAIT" not in render_module(plan_module(spec, shape, "any", module_defaults(spec, shape) | plain, "defaults"))
+    assert knob_changes(spec, shape, KernelKind.REPLAY_DECODE, replace(decode, early_launch=False), early_launch=True) == "_REPLAY_DECODE_CONFIGS changed"
+    assert knob_changes(spec, shape, KernelKind.REPLAY_VERIFY, replace(split, early_launch=False), early_launch=True) == "_REPLAY_VERIFY_CONFIGS changed"
 
 
 @pytest.mark.parametrize("spec_file", ["mamba2.yaml", "gdn.yaml"])
 def test_fold_key_prefetch_changes_no_result(spec_file):
     """prefetch_fold_keys (inline PTX; the module passes it off on CPU tensors, so the interpreter runs the kernels
-    without it): decode and verify + commit against the reference through flushes; each kind's kernel takes the
-    switch only where that kind's buckets set it, so the other kind's kernel, and the records timed for it, stay as
-    they were."""
+    without it): decode and verify + commit against the reference through flushes; the knob changes only the kind's
+    dispatch table, and one kind's knob none of the other kind's code."""
     spec = load_spec(ROOT / "specs" / spec_file)
     shape = replace(SMALL, capacity=9, window=4)
     decode = KernelConfig(block_v=8, num_warps=1, precompute_scores=True, prefetch_fold_keys=True)
     verify = KernelConfig(block_v=8, num_warps=1, precompute_scores=True, prefetch_fold_keys=True)
     tables = {KernelKind.REPLAY_DECODE: (BucketConfig(None, decode),), KernelKind.REPLAY_VERIFY: (BucketConfig(None, verify),)}
     module = load_kernels(spec, shape, tables)
-    assert not module._prefetch_fold_keys({"prefetch_fold_keys": True}, torch.device(DEVICE))
+    assert not module._on_gpu(torch.device(DEVICE))
     assert_passes(check_speculative(module, spec, shape, device=DEVICE, tokens=4, mixed=True, steps=10, seed=50), ("replay_verify", "replay_decode", "materialize"))
     assert_passes(check_speculative(module, spec, shape, device=DEVICE, tokens=4, accept="all", steps=7, seed=51), ("replay_verify",))
 
-    def rendered(decode_prefetch, verify_prefetch):
-        configs = module_defaults(spec, shape) | {
-            KernelKind.REPLAY_DECODE: (BucketConfig(None, replace(decode, prefetch_fold_keys=decode_prefetch)),),
-            KernelKind.REPLAY_VERIFY: (BucketConfig(None, replace(verify, prefetch_fold_keys=verify_prefetch)),),
-        }
-        return render_module(plan_module(spec, shape, "any", configs, "defaults"))
-
-    def timed(source, kind):
-        return reachable_source(source, TIMED_ENTRY_POINTS[kind])
-
-    RD, RV = KernelKind.REPLAY_DECODE, KernelKind.REPLAY_VERIFY
-    assert "PREFETCH_FOLD_KEYS" not in rendered(False, False)
-    assert timed(rendered(True, False), RV) == timed(rendered(False, False), RV)
-    assert timed(rendered(False, True), RD) == timed(rendered(False, False), RD)
-    assert "PREFETCH_FOLD_KEYS" in timed(rendered(True, False), RD) and "PREFETCH_FOLD_KEYS" in timed(rendered(False, True), RV)
+    for kind, config in ((KernelKind.REPLAY_DECODE, decode), (KernelKind.REPLAY_VERIFY, verify)):
+        assert knob_changes(spec, shape, kind, replace(config, prefetch_fold_keys=False), prefetch_fold_keys=True) == f"_{kind.value.upper()}_CONFIGS changed"
 
 
 @pytest.mark.parametrize("spec_file", ["mamba2.yaml", "gdn.yaml"])
@@ -175,8 +160,7 @@ def test_verify_flush_at_folds_every_step(spec_file):
     """A replay verify config's flush_at = 1: every step that finds committed entries folds them into the checkpoint
     and stores it (the flush rule alone waits for h + 2T > L). One launch on the state-and-output route at batch <= 2,
     the split verify over precomputed scores above; mixed with decode steps, random and all accepted, against the
-    reference and the snapshot baseline. Modules whose verify buckets leave flush_at at 0 render no trace of it, so
-    the records timed for them stay valid."""
+    reference and the snapshot baseline."""
     spec = load_spec(ROOT / "specs" / spec_file)
     shape = replace(SMALL, capacity=9, window=4)
     small = KernelConfig(block_v=8, num_warps=1, route=Route.STATE_AND_OUTPUT, flush_at=1)
@@ -200,31 +184,26 @@ def test_verify_flush_at_folds_every_step(spec_file):
         counts = state.cursor[..., 1][slots[:2].long()]
         assert (counts == torch.tensor(accepted[:2], device=DEVICE).view(2, 1, 1)).all()  # the previous window's entries were folded
 
-    assert "FLUSH_AT" in timed_verify_source(spec, shape, split)
-    assert "FLUSH_AT" not in timed_verify_source(spec, shape, replace(split, flush_at=0))
+    assert knob_changes(spec, shape, KernelKind.REPLAY_VERIFY, replace(split, flush_at=0), flush_at=1) == "_REPLAY_VERIFY_CONFIGS changed"
 
 
 @pytest.mark.parametrize("spec_file", ["mamba2.yaml", "gdn.yaml"])
 def test_early_commit_changes_no_result(spec_file):
     """early_commit (the commit after a verify of that bucket launched as a programmatic dependent of the kernel before
     it, waiting for it first; sm90+ only, so the interpreter runs it in stream order): verify + commit mixed with decode
-    steps against the reference, with the bucket that sets it and the one that does not. Only the commit kernel takes
-    it, and where no verify bucket sets it the module has no trace of it, so the records timed without it stay valid."""
+    steps against the reference, with the bucket that sets it and the one that does not; the knob changes only the
+    verify's dispatch table, which the commit reads."""
     spec = load_spec(ROOT / "specs" / spec_file)
     shape = replace(SMALL, capacity=9, window=4)
     early = KernelConfig(block_v=8, num_warps=1, route=Route.STATE_AND_OUTPUT, flush_at=1, early_commit=True)
     tables = {KernelKind.REPLAY_VERIFY: (BucketConfig(2, early), BucketConfig(None, replace(early, early_commit=False)))}
     module = load_kernels(spec, shape, tables)
-    assert not module._early_commit({"early_commit": True}, torch.device(DEVICE))
+    assert not module._dependent_launch(torch.device(DEVICE))
     for batch in (2, 3):
         report = check_speculative(module, spec, shape, device=DEVICE, tokens=4, mixed=True, steps=10, seed=80 + batch, batch=batch)
         assert_passes(report, ("replay_verify", "replay_decode", "materialize"))
 
-    with_it, without = timed_verify_source(spec, shape, early), timed_verify_source(spec, shape, replace(early, early_commit=False))
-    assert "EARLY_WAIT" in with_it and "launch_pdl=early" in with_it
-    assert "EARLY_WAIT" not in without and "early_commit" not in without
-    kernel = with_it[with_it.index("def _replay_verify_kernel"):with_it.index("def _commit_kernel")]
-    assert kernel in without  # the verify kernel itself is the same text
+    assert knob_changes(spec, shape, KernelKind.REPLAY_VERIFY, replace(early, early_commit=False), early_commit=True) == "_REPLAY_VERIFY_CONFIGS changed"
 
 
 def test_bf16_activations(mamba2, kernels):
@@ -350,8 +329,8 @@ def test_flushing_verify_whose_window_wraps_onto_folded_entries(mamba2):
 def test_multi_warp_leftover_fold_takes_the_steps_cursor(spec_file):
     """Where some decode bucket runs several warps per program, a flush-every-step step that meets leftover entries
     folds them with the cursor it read and moves the cursor itself after a barrier (tests/test_gpu.py has the race
-    this closes); mixed decode and verify steps against the reference. One-warp modules keep the fold's own cursor
-    read and write, so the code their records timed is unchanged."""
+    this closes); mixed decode and verify steps against the reference. A one-warp program's fold reads and moves
+    its cursor itself (MULTI_WARP, a constexpr of the launch, picks the variant)."""
     spec = load_spec(ROOT / "specs" / spec_file)
     shape = replace(SMALL, capacity=9, window=4)
     decode = KernelConfig(block_v=8, num_warps=4, flush_at=1, fold_chunk=1)
@@ -365,20 +344,24 @@ def test_multi_warp_leftover_fold_takes_the_steps_cursor(spec_file):
 
     module = load_kernels(spec, shape, tables(4))
     assert_passes(check_speculative(module, spec, shape, device=DEVICE, tokens=4, mixed=True, steps=10, seed=60), ("replay_verify", "replay_decode", "materialize"))
-    multi, single = (render_module(plan_module(spec, shape, "any", tables(warps), "defaults")) for warps in (4, 1))
-    assert "i_h, i_b, start, count, slots_ptr, ckpt_ptr" in multi and "cursor_ptr, ckpt_ptr" not in multi.split("def _replay_decode_kernel")[0]
-    assert "i_h, i_b, slots_ptr, cursor_ptr, ckpt_ptr" in single and "start, count, slots_ptr" not in single
+    source = render_module(plan_module(spec, shape, "any", tables(4), "defaults"))
+    kernel = source.split("def _replay_decode_kernel(")[1].split("\n@triton.jit")[0]
+    assert "if MULTI_WARP:\n" in kernel and "_fold_buffered_tile_shared_cursor(" in kernel and "i_h, i_b, start, count, slots_ptr, ckpt_ptr" in kernel
+    assert "i_h, i_b, slots_ptr, cursor_ptr, ckpt_ptr" in kernel  # the one-warp program's fold reads and moves its cursor
+    assert 'MULTI_WARP=config["num_warps"] > 1' in source.split("def _decode(")[1]
 
 
-def _barrier_before_cursor_stores(source: str, kernel: str) -> list[bool]:
-    """Per cursor store of `kernel` in a rendered module: whether a barrier at its indentation comes right before it
-    (other stores and blank lines in between)."""
+def _barrier_before_cursor_stores(source: str, kernel: str) -> list[str]:
+    """Per cursor store of `kernel` in a rendered module: "always" where a barrier comes right before it (other stores
+    and blank lines in between), "multi-warp" where one under `if MULTI_WARP:` does, "none" otherwise."""
     body = source.split(f"def {kernel}(")[1].split("\n@triton.jit")[0].splitlines()
     found = []
     for i, line in enumerate(body):
         if line.strip().startswith("tl.store(p_cursor,"):
-            before = next(other for other in reversed(body[:i]) if other.strip() and not other.strip().startswith("tl.store("))
-            found.append(before == line[: len(line) - len(line.lstrip())] + "tl.debug_barrier()")
+            before = [other.strip() for other in reversed(body[:i]) if other.strip() and not other.strip().startswith("tl.store(")]
+            if before[0] == "if MULTI_WARP:":  # a store only multi-warp programs make, after the barrier every program passes
+                before = before[1:]
+            found.append("none" if before[0] != "tl.debug_barrier()" else "multi-warp" if before[1] == "if MULTI_WARP:" else "always")
     assert found, f"{kernel} stores no cursor"
     return found
 
@@ -390,8 +373,8 @@ def test_multi_warp_programs_pass_a_barrier_before_moving_their_cursor(spec_file
     behind could read the cursor another warp already moved and take the wrong entries. Where some bucket buffers in a
     multi-warp decode program, runs a multi-warp verify (either launch of the split) or flushes in its own launch
     (four warps), that kernel passes a barrier before it stores its cursor; the mixed schedule of decode and verify
-    steps runs such configs against the reference. One-warp decode and verify configs render no barrier, so their
-    records keep their source hashes."""
+    steps runs such configs against the reference. One-warp programs skip the barriers (MULTI_WARP, a constexpr of
+    each launch)."""
     spec = load_spec(ROOT / "specs" / spec_file)
     shape = replace(SMALL, capacity=9, window=2)
     decode = KernelConfig(block_v=8, num_warps=4, flush_at=4, fused_flush=fused_flush)
@@ -405,8 +388,9 @@ def test_multi_warp_programs_pass_a_barrier_before_moving_their_cursor(spec_file
 
     module = load_kernels(spec, shape, tables(4))
     assert_passes(check_speculative(module, spec, shape, device=DEVICE, tokens=2, mixed=True, steps=12, seed=61), ("replay_verify", "replay_decode", "materialize"))
-    multi, single = (render_module(plan_module(spec, shape, "any", tables(warps), "defaults")) for warps in (4, 1))
-    kernels = ["_replay_decode_kernel", "_replay_verify_kernel"] + ([] if fused_flush else ["_flush_kernel"])
-    assert all(all(_barrier_before_cursor_stores(multi, kernel)) for kernel in kernels)
-    assert not any(any(_barrier_before_cursor_stores(single, kernel)) for kernel in ("_replay_decode_kernel", "_replay_verify_kernel"))
-    assert all(_barrier_before_cursor_stores(single, "_flush_kernel")) is not fused_flush  # the flush launch runs four warps
+    source = render_module(plan_module(spec, shape, "any", tables(4), "defaults"))
+    for kernel in ("_replay_decode_kernel", "_replay_verify_kernel"):
+        found = _barrier_before_cursor_stores(source, kernel)
+        assert "none" not in found and "multi-warp" in found, (kernel, found)
+    assert set(_barrier_before_cursor_stores(source, "_flush_kernel")) == {"always"}  # the flush launch runs four warps
+    assert 'MULTI_WARP=config["num_warps"] > 1' in source.split("def _launch_verify(")[1]  # per launch: each half of the split its own

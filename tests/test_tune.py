@@ -19,7 +19,7 @@ import triton
 from replaygen import __version__, measure
 from replaygen.build import build_spec
 from replaygen.cli import main
-from replaygen.configs import KernelConfig, KernelKind, Route, bucket_range, bucket_variants, module_defaults
+from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route, bucket_range, bucket_variants, module_defaults
 from replaygen.errors import TuningRecordError, UnsupportedShapeError
 from replaygen.measure import Timing
 from replaygen.offline import architecture
@@ -195,11 +195,6 @@ def test_plan_tasks_is_batch_major_and_checks_fix(mamba2):
 # --- record keys -------------------------------------------------------------------------------
 
 
-def key_parts(candidate):
-    k = candidate.key
-    return {"source": k.source_sha256, "template": k.template_sha256, "spec": k.spec_content_sha256, "shape": k.shape_sha256}
-
-
 def test_what_changes_a_kernel_key(mamba2, monkeypatch, tmp_path):
     """A trial's key is the code it ran: the spec's description, another kernel's template or a comment leave it as
     it was; the shape's sizes, the config and the kernel's own text change it. The environment is not part of it."""
@@ -320,8 +315,9 @@ def test_record_files_hold_one_header_and_a_line_per_trial(mamba2, tmp_path):
     text = path.read_text()
     assert text.count("NVIDIA H100 80GB HBM3") == 1
     lines = text.splitlines()
-    rows = [line for line in lines if line.lstrip().startswith('["')]
+    rows = lines[lines.index(' "trials": [') + 1 : -2]
     assert len(rows) == 3 and all(len(line) < 400 for line in rows)
+    assert len(lines) < 120  # the definitions' digests once each, not once per trial
     assert read_records(path).trials == tuple(trials)
 
 
@@ -335,7 +331,7 @@ def test_records_survive_edits_that_change_no_kernel(mamba2, tmp_path):
     extended = extended.replace("description:", "description: (edited)")
     spec = load_spec_text(extended, "mamba2.yaml")
     assert spec.shape("nemotron-h-tp16").heads == 8 and spec.source_sha256 != mamba2.source_sha256
-    assert resolve_configs(spec, shape, "h100", tmp_path).configs[RD] == (rec.BucketConfig(None, config),)
+    assert resolve_configs(spec, shape, "h100", tmp_path).configs[RD] == (BucketConfig(None, config),)
 
 
 def test_aligned_trials_stand_for_the_group_count_the_build_ships(mamba2, tmp_path):
@@ -352,10 +348,10 @@ def test_aligned_trials_stand_for_the_group_count_the_build_ships(mamba2, tmp_pa
         trial(mamba2, shape, RD, spread, 256, 0.42),
     ])
     two = resolve_configs(mamba2, shape, "h100", tmp_path, flush_groups=2)
-    assert two.configs[RD] == (rec.BucketConfig(32, spread), rec.BucketConfig(None, replace(aligned, flush_groups=2)))
+    assert two.configs[RD] == (BucketConfig(32, spread), BucketConfig(None, replace(aligned, flush_groups=2)))
     assert "b32 53.0 us" in " ".join(two.lines)
     one = resolve_configs(mamba2, shape, "h100", tmp_path, flush_groups=1)
-    assert one.configs[RD] == (rec.BucketConfig(None, aligned),)
+    assert one.configs[RD] == (BucketConfig(None, aligned),)
 
 
 def test_timings_that_cannot_be_are_refused(mamba2, tmp_path):
@@ -399,16 +395,16 @@ def table(module_path: Path, kind: KernelKind) -> list:
 def test_dispatch_table_buckets_and_merges():
     a, b = KernelConfig(block_v=8), KernelConfig(block_v=16)
     assert dispatch_table({1: a, 8: b, 32: b, 128: a}) == (
-        rec.BucketConfig(1, a), rec.BucketConfig(32, b), rec.BucketConfig(None, a)
+        BucketConfig(1, a), BucketConfig(32, b), BucketConfig(None, a)
     )
-    assert dispatch_table({8: a}) == (rec.BucketConfig(None, a),)
+    assert dispatch_table({8: a}) == (BucketConfig(None, a),)
 
 
 def test_bucket_variants_run_every_config_once():
     """`check --gpu` splits the dispatch tables into single-bucket sets: set i runs each kind's i-th bucket (a
     shorter table's last), so every baked config is checked; bucket_range names the batch sizes each serves."""
     a, b, c = KernelConfig(block_v=8), KernelConfig(block_v=16), KernelConfig(block_v=32)
-    tables = {RD: (rec.BucketConfig(1, a), rec.BucketConfig(8, b), rec.BucketConfig(None, c)), BD: (rec.BucketConfig(None, b),)}
+    tables = {RD: (BucketConfig(1, a), BucketConfig(8, b), BucketConfig(None, c)), BD: (BucketConfig(None, b),)}
     variants = bucket_variants(tables)
     assert [(v[RD][0].config, v[BD][0].config) for v in variants] == [(a, b), (b, b), (c, b)]
     assert all(v[kind][0].max_batch is None for v in variants for kind in v)
@@ -422,9 +418,9 @@ def test_build_without_records_stops_unless_allowed(mamba2, tmp_path, capsys):
         build_spec(mamba2, (shape,), "h100", tmp_path / "gen", tune_dir=tmp_path / "tune")
     assert not (tmp_path / "gen").exists()
     built = build_spec(mamba2, (shape,), "h100", tmp_path / "gen", tune_dir=tmp_path / "tune", allow_default=True)
-    assert built[0].plan.config_source == "defaults" and "documented defaults" in built[0].notes[0]
+    assert built[0].plan.config_source == "defaults" and "documented defaults" in built[0].resolved.lines[0]
     spec_file = str(ROOT / "specs" / "mamba2.yaml")
-    assert main(["build", spec_file, "--shape", "nemotron-h", "--out", str(tmp_path / "gen"), "--tune-dir", str(tmp_path / "tune")]) == 2
+    assert main(["build", spec_file, "--shape", "nemotron-h", "--gpu", "h100", "--out", str(tmp_path / "gen"), "--tune-dir", str(tmp_path / "tune")]) == 2
     assert "no tuning records for mamba2/nemotron-h on h100" in capsys.readouterr().err
 
 
@@ -446,16 +442,15 @@ def test_build_bakes_winners_per_bucket(mamba2, tmp_path, capsys):
     path = write(tmp_path / "tune", mamba2, shape, trials)
     out = tmp_path / "gen"
     spec_file = str(ROOT / "specs" / "mamba2.yaml")
-    assert main(["build", spec_file, "--shape", "nemotron-h", "--out", str(out), "--tune-dir", str(tmp_path / "tune")]) == 0
+    assert main(["build", spec_file, "--shape", "nemotron-h", "--gpu", "h100", "--out", str(out), "--tune-dir", str(tmp_path / "tune")]) == 0
     text = capsys.readouterr().out
-    assert "configs from tune/h100/mamba2_nemotron_h.json; defaults for baseline_verify, commit, load, materialize, replay_verify" in text
-    assert "replay_decode: tuned (b1: 0.0100 ms, b8: 0.0300 ms, b512: 0.3000 ms)" in text
-    assert "replay_verify: not tuned in" in text
+    assert "replay_decode: tuned (b1 10.0 us, b8 30.0 us, b512 300.0 us)" in text
+    assert "replay_verify: documented defaults (not tuned in this file)" in text and "commit: documented defaults (never tuned)" in text
     module = out / "h100" / "mamba2_nemotron_h.py"
-    assert table(module, RD) == [(1, fast1.as_dict()), (None, fast8.as_dict())]  # b8 and b512 share one winner
-    assert table(module, BD) == [(None, base.as_dict())]
-    assert table(module, KernelKind.COMMIT) == [(None, KernelConfig(block_v=64, num_warps=4).as_dict())]
-    assert path.name in module.read_text()
+    assert table(module, RD) == [(1, fast1.as_dict(RD)), (None, fast8.as_dict(RD))]  # b8 and b512 share one winner
+    assert table(module, BD) == [(None, base.as_dict(BD))]
+    assert table(module, KernelKind.COMMIT) == [(None, KernelConfig(block_v=64, num_warps=4).as_dict(KernelKind.COMMIT))]
+    assert f"# configs    tune/h100/{path.name}; defaults for baseline_verify, commit, load, materialize, replay_verify" in module.read_text()
 
 
 def test_mismatched_records_are_never_applied_silently(mamba2, tmp_path, monkeypatch):
@@ -463,41 +458,41 @@ def test_mismatched_records_are_never_applied_silently(mamba2, tmp_path, monkeyp
     config = KernelConfig(block_v=32, num_warps=8, flush_at=8)
     tune_dir = tmp_path / "tune"
     write(tune_dir, mamba2, shape, [trial(mamba2, shape, RD, config, 8, 0.1, environment=env(triton="0.0.1"))])
-    with pytest.raises(TuningRecordError, match=r"triton version differs \(tuned with triton 0.0.1"):
+    with pytest.raises(TuningRecordError, match=r"made with another triton version \(triton 0.0.1 then"):
         resolve_configs(mamba2, shape, "h100", tune_dir)
     soft = resolve_configs(mamba2, shape, "h100", tune_dir, accept_env_mismatch=True)
-    assert soft.configs[RD] == (rec.BucketConfig(None, config),)
-    assert any("applied although triton version differs" in n for n in soft.notes)
+    assert soft.configs[RD] == (BucketConfig(None, config),)
+    assert any("applied although made with another triton version" in n for n in soft.notes)
     defaulted = resolve_configs(mamba2, shape, "h100", tune_dir, allow_default=True)
-    assert defaulted.configs[RD][-1].config.flush_at == 0 and any("replay_decode: documented defaults (--allow-default)" in n for n in defaulted.notes)
+    assert defaulted.configs[RD][-1].config.flush_at == 0 and "replay_decode: documented defaults (no trial applies, --allow-default)" in defaulted.lines
 
     shutil.rmtree(tune_dir)
     write(tune_dir, mamba2, shape, [trial(mamba2, shape, RD, config, 8, 0.1, environment=env(gpu="a100", device_name="NVIDIA A100-SXM4-80GB"))])
-    with pytest.raises(TuningRecordError, match=r"GPU differs \(tuned for 'a100'"):
+    with pytest.raises(TuningRecordError, match=r"made for another GPU \('a100'"):
         resolve_configs(mamba2, shape, "h100", tune_dir, accept_env_mismatch=True)
 
     shutil.rmtree(tune_dir)
     write(tune_dir, mamba2, shape, [trial(mamba2, shape, RD, config, 8, 0.1)])
     edited = load_spec_text((ROOT / "specs" / "mamba2.yaml").read_text().replace("activations: [bfloat16, float16, float32]", "activations: [bfloat16, float32]"), "mamba2.yaml")
-    with pytest.raises(TuningRecordError, match="spec changed since tuning"):
+    with pytest.raises(TuningRecordError, match=r"the code it ran has changed since \(ACTIVATION_DTYPES changed\)"):
         resolve_configs(edited, shape, "h100", tune_dir)
 
     shutil.rmtree(tune_dir)
-    stale = replace(trial(mamba2, shape, RD, config, 8, 0.1), key=replace(render_candidate(mamba2, shape, RD, config).key, source_sha256="0" * 64))
+    stale = replace(trial(mamba2, shape, RD, config, 8, 0.1), key=replace(render_candidate(mamba2, shape, RD, config).key, code="0" * 64))
     write(tune_dir, mamba2, shape, [stale])
-    with pytest.raises(TuningRecordError, match="the code it ran differs"):
+    with pytest.raises(TuningRecordError, match="the code it ran has changed since"):
         resolve_configs(mamba2, shape, "h100", tune_dir)
 
     shutil.rmtree(tune_dir)
     write(tune_dir, mamba2, shape, [trial(mamba2, shape, RD, config, 8, 0.1)])
     variant = tmp_path / "templates"
-    shutil.copytree(ROOT / "templates", variant)
+    shutil.copytree(ROOT / "replaygen" / "templates", variant)
     (variant / "module.py.j2").write_text((variant / "module.py.j2").read_text() + "# variant\n")
     monkeypatch.setenv("REPLAYGEN_TEMPLATES", str(variant))
-    assert resolve_configs(mamba2, shape, "h100", tune_dir).configs[RD] == (rec.BucketConfig(None, config),)  # a comment
-    decode = variant / "kernels" / "replay_decode.j2"
-    decode.write_text(decode.read_text().replace("{{ m.program_prologue() }}\n", "{{ m.program_prologue() }}\n    i_unused = 0\n", 1))
-    with pytest.raises(TuningRecordError, match="the code it ran differs"):
+    assert resolve_configs(mamba2, shape, "h100", tune_dir).configs[RD] == (BucketConfig(None, config),)  # a comment
+    decode = variant / "kernels" / "replay_decode.py.j2"
+    decode.write_text(decode.read_text().replace("    if EARLY_WAIT:\n        gdc_wait()\n{{ m.program_prologue() }}\n", "    if EARLY_WAIT:\n        gdc_wait()\n{{ m.program_prologue() }}\n    i_unused = 0\n", 1))
+    with pytest.raises(TuningRecordError, match=r"the code it ran has changed since \(_replay_decode_kernel changed\)"):
         resolve_configs(mamba2, shape, "h100", tune_dir)
 
 
@@ -508,14 +503,14 @@ def test_batch_sizes_whose_trials_all_went_stale_stop_the_build(mamba2, tmp_path
     shape = mamba2.shape("nemotron-h")
     small, large = KernelConfig(block_v=16, num_warps=8, flush_at=1), KernelConfig(block_v=32, num_warps=1, flush_at=16)
     earlier = trial(mamba2, shape, RD, large, 512, 0.8)
-    earlier = replace(earlier, key=replace(earlier.key, source_sha256="0" * 64))
+    earlier = replace(earlier, key=replace(earlier.key, code="0" * 64))
     tune_dir = tmp_path / "tune"
     write(tune_dir, mamba2, shape, [trial(mamba2, shape, RD, small, 1, 0.005), earlier])
-    with pytest.raises(TuningRecordError, match=r"(?s)no trial applies any more: replay_decode at batch 512 .*--kernels replay_decode --batch 512 --recorded 3"):
+    with pytest.raises(TuningRecordError, match=r"(?s)no trial applies any more: replay_decode at batch 512 .*--kernels replay_decode --recorded 2 --batch 512`"):
         resolve_configs(mamba2, shape, "h100", tune_dir)
     allowed = resolve_configs(mamba2, shape, "h100", tune_dir, allow_default=True)
     default_large = module_defaults(mamba2, shape)[RD][-1].config
-    assert allowed.configs[RD][0] == rec.BucketConfig(1, small) and allowed.configs[RD][-1] == rec.BucketConfig(None, default_large)
+    assert allowed.configs[RD][0] == BucketConfig(1, small) and allowed.configs[RD][-1] == BucketConfig(None, default_large)
     assert any("replay_decode at batch 512: the documented default at that size (--allow-default)" in n for n in allowed.notes)
 
 
@@ -531,10 +526,11 @@ def test_a_kernel_tuned_short_of_the_others_stops_the_build(mamba2, tmp_path):
     with pytest.raises(TuningRecordError, match=r"(?s)replay_decode up to batch 32, not at 512 .*--kernels replay_decode --batch 512`"):
         resolve_configs(mamba2, shape, "h100", tune_dir)
     allowed = resolve_configs(mamba2, shape, "h100", tune_dir, allow_default=True)
-    assert allowed.configs[RD] == (rec.BucketConfig(1, small), rec.BucketConfig(None, large))
-    assert any("replay_decode up to batch 32, not at 512: batch 32's config above it (--allow-default)" in n for n in allowed.notes)
+    default_large = module_defaults(mamba2, shape)[RD][-1].config
+    assert allowed.configs[RD] == (BucketConfig(1, small), BucketConfig(32, large), BucketConfig(None, default_large))
+    assert any("replay_decode up to batch 32, not at 512: the documented defaults there (--allow-default)" in n for n in allowed.notes)
     write(tune_dir, mamba2, shape, [trial(mamba2, shape, RD, large, 512, 0.4)])
-    assert resolve_configs(mamba2, shape, "h100", tune_dir).configs[RD][-1] == rec.BucketConfig(None, large)
+    assert resolve_configs(mamba2, shape, "h100", tune_dir).configs[RD][-1] == BucketConfig(None, large)
 
 
 def test_a_winner_that_no_longer_validates_is_skipped(mamba2, tmp_path, monkeypatch):
@@ -551,7 +547,7 @@ def test_a_winner_that_no_longer_validates_is_skipped(mamba2, tmp_path, monkeypa
         strict(kind, shape, candidate)
 
     monkeypatch.setattr(replaygen.plan, "validate_config", stricter)
-    with pytest.raises(TuningRecordError, match=r"config no longer valid \(configs.validate_config\) \(replay_decode: block_v=32 is not allowed"):
+    with pytest.raises(TuningRecordError, match=r"its config is no longer valid \(replay_decode: block_v=32 is not allowed"):
         resolve_configs(mamba2, shape, "h100", tmp_path / "tune")
 
 
@@ -919,9 +915,9 @@ def test_tune_command_end_to_end_on_a_fake_gpu(tmp_path, monkeypatch, capsys):
     saved = read_records(out / "h100" / "mamba2_nemotron_h.json")
     assert {t.environment.device_name for t in saved.trials} == {props.name} and {t.batch for t in saved.trials} == {1, 64}
     assert (out / "h100" / "optuna.journal").is_file()
-    assert main(["build", spec_file, "--shape", "nemotron-h", "--out", str(tmp_path / "gen"), "--tune-dir", str(out)]) == 0
+    assert main(["build", spec_file, "--shape", "nemotron-h", "--gpu", "h100", "--out", str(tmp_path / "gen"), "--tune-dir", str(out)]) == 0
     built = capsys.readouterr().out
-    assert "baseline_decode: tuned (b1: " in built and "replay_decode: tuned (b1: " in built
+    assert "baseline_decode: tuned (b1 " in built and "replay_decode: tuned (b1 " in built
     assert main(["tune", spec_file, "--kernels", "commit"]) == 2
     assert "--kernels takes" in capsys.readouterr().err
     assert main(["tune", spec_file, "--exhaustive", "--compile-workers", "-1"]) == 2
@@ -953,8 +949,8 @@ def test_tune_command_end_to_end_on_a_fake_gpu(tmp_path, monkeypatch, capsys):
     assert {t.environment.gpu for t in read_records(out / "h200" / "mamba2_nemotron_h.json").trials} == {"h200"}
     assert main(["tune", spec_file, "--recorded-gpu", "h100"]) == 2
     assert "--recorded-gpu needs --recorded K" in capsys.readouterr().err
-    assert main(["tune", spec_file, "--recorded", "1", "--recorded-gpu", "H100", "--out", str(out)]) == 2
-    assert "--recorded-gpu 'H100' must be lowercase" in capsys.readouterr().err
+    assert main(["tune", spec_file, "--recorded", "1", "--recorded-gpu", "h 100", "--out", str(out)]) == 2
+    assert "--recorded-gpu 'h 100' must be letters" in capsys.readouterr().err
     assert main(["tune", spec_file, "--shape", "nemotron-h", "--shape", "nemotron-h-l8", "--recorded", "1", "--recorded-gpu", "h100", "--gpu", "h200", "--out", str(out)]) == 2
     assert "--recorded-gpu h100: no records of nemotron-h-l8 at" in capsys.readouterr().err
     assert main(["tune", spec_file, "--shape", "nemotron-h", "--kernels", "baseline_decode", "--fix", "flush_at=3", "--out", str(out)]) == 2
@@ -985,7 +981,7 @@ def test_replay_search_starts_from_the_baselines_step_in_its_best_launch_shape(m
 
 def as_earlier_code(trials):
     """The trials as if timed on kernel code that has changed since (another kernel key)."""
-    return [replace(t, id=uuid.uuid4().hex, key=replace(t.key, source_sha256=t.key.source_sha256[::-1])) for t in trials]
+    return [replace(t, id=uuid.uuid4().hex, key=replace(t.key, code=t.key.code[::-1])) for t in trials]
 
 
 def test_recorded_mode_times_the_fastest_recorded_configs_of_earlier_code_again(mamba2, tmp_path):
@@ -1011,7 +1007,7 @@ def test_recorded_mode_ranks_each_config_by_its_latest_trial(mamba2, tmp_path):
     _, store, _ = run(mamba2, tmp_path / "old", (RD,), (8,), mode=Mode.EXHAUSTIVE, fixed=fixed)
     fastest, second = sorted((t for t in store.trials if math.isfinite(t.value)), key=rec.speed_rank)[:2]
     older = as_earlier_code([fastest, second])
-    newer = [replace(fastest, id=uuid.uuid4().hex, key=replace(fastest.key, source_sha256="b" * 64), timing=replace(fastest.timing, median_ms=second.value * 2))]
+    newer = [replace(fastest, id=uuid.uuid4().hex, key=replace(fastest.key, code="b" * 64), timing=replace(fastest.timing, median_ms=second.value * 2))]
     write(tmp_path / "new", mamba2, mamba2.shape("nemotron-h"), [*older, *newer])
     _, _, fake = run(mamba2, tmp_path / "new", (RD,), (8,), mode=Mode.RECORDED, recorded=1)
     assert [c for c, _ in fake.timed] == [second.config]
@@ -1112,11 +1108,10 @@ def test_kinds_with_the_same_module_are_measured_separately(mamba2, tmp_path):
 
 
 def test_trials_left_out_are_summed_per_reason():
-    """The build names the trials it leaves out in one line per reason (a record keeps every earlier code version's
-    trials), with the count of all of them and the distinct details."""
-    skipped = Counter({(Mismatch.SOURCE, "source sha256 b then, c now"): 2, (Mismatch.SOURCE, "source sha256 a then, c now"): 1, (Mismatch.GPU, "tuned for 'h200'"): 3})
-    lines = skipped_lines(skipped, Path("tune/h100/x.json"))
-    assert lines == [
-        "3 trial(s) in tune/h100/x.json not applied: GPU differs (tuned for 'h200')",
-        f"3 trial(s) in tune/h100/x.json not applied: {Mismatch.SOURCE.value} (2 distinct, e.g. source sha256 a then, c now)",
+    """The build names the trials it leaves out in one line per reason, with the count of all of them and the
+    distinct details."""
+    skipped = Counter({(Mismatch.CODE, "decode changed"): 2, (Mismatch.CODE, "_replay_decode_kernel changed"): 1, (Mismatch.GPU, "'h200'"): 3})
+    assert skipped_lines(skipped) == [
+        "3 trial(s) not applied: the code it ran has changed since (2 distinct, e.g. _replay_decode_kernel changed)",
+        "3 trial(s) not applied: made for another GPU ('h200')",
     ]

@@ -187,13 +187,13 @@ def resolve_configs(
             stale.append(kind)
         else:
             sources[kind] = "documented defaults (not tuned in this file)"
-    fix = f"`replaygen tune {spec.source_file} --shape {shape.name} --gpu {gpu} --kernels {{kernels}} --recorded 2`"
+    fix = f"replaygen tune {spec.source_file} --shape {shape.name} --gpu {gpu} --kernels {{kernels}} --recorded 2"
     if stale:
         kernels = ",".join(kind.value for kind in stale)
         if not allow_default:
             raise TuningRecordError(
                 f"{path}: no trial of {kernels} applies here:\n  " + "\n  ".join(notes)
-                + f"\ntime the recorded winners again on that GPU with {fix.format(kernels=kernels)}, or pass --allow-default to build "
+                + f"\ntime the recorded winners again on that GPU with `{fix.format(kernels=kernels)}`, or pass --allow-default to build "
                 "those kernels with the documented defaults"
             )
         for kind in stale:
@@ -205,8 +205,8 @@ def resolve_configs(
             raise TuningRecordError(
                 f"{path}: tuned batch sizes where no trial applies any more: {'; '.join(lines)} (their buckets would silently run a "
                 f"neighbouring bucket's config):\n  " + "\n  ".join(notes)
-                + f"\ntime their recorded winners again on that GPU with {fix.format(kernels=kernels)} --batch "
-                f"{','.join(map(str, sorted({b for _, batches in partial for b in batches})))}, or pass --allow-default to build them with the "
+                + f"\ntime their recorded winners again on that GPU with `{fix.format(kernels=kernels)} --batch "
+                f"{','.join(map(str, sorted({b for _, batches in partial for b in batches})))}`, or pass --allow-default to build them with the "
                 "documented defaults at those sizes"
             )
         notes += [f"{line}: the documented default at that size (--allow-default)" for line in lines]
