@@ -425,9 +425,9 @@ def find_fla(spec: Spec) -> FlaPeer | str:
     return FlaPeer(fn, str(getattr(fla, "__version__", "unknown")))
 
 
-def swap_state_layout(spec: Spec, states: torch.Tensor) -> torch.Tensor:
+def swap_state_layout(shape: TargetShape, states: torch.Tensor) -> torch.Tensor:
     """States [n, HV, V, K] (layout value_key) <-> FLA's [n, HV, K, V]; key_value already is FLA's (a view either way)."""
-    return states.transpose(-1, -2) if spec.state.layout is StateLayout.VALUE_KEY else states
+    return states.transpose(-1, -2) if shape.layout is StateLayout.VALUE_KEY else states
 
 
 def fla_inputs(spec: Spec, inputs: dict[str, torch.Tensor | None], weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -452,7 +452,7 @@ class FlaWorkload:
         self.scale = work.shape.key_dim**-0.5 if spec.query.scale is QueryScale.INV_SQRT_KEY_DIM else 1.0
         self.l2norm = spec.key.transform is VectorTransform.L2NORM
         self.args = [fla_inputs(spec, inputs, work.weights) for inputs in work.inputs]
-        self.states = [swap_state_layout(spec, state).contiguous() for state in work.baseline]
+        self.states = [swap_state_layout(work.shape, state).contiguous() for state in work.baseline]
 
     def step(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One token on layer `layer`: outputs [B, 1, HV, V] and the new states [B, HV, K, V]."""
@@ -478,7 +478,7 @@ def check_fla(peer: FlaWorkload, module: ModuleType, spec: Spec, work: DecodeWor
     try:
         out, final = peer.step(0)
         out_err = relative_error(out[:, 0], ours)
-        state_err = relative_error(swap_state_layout(spec, final[rows]), state[rows])
+        state_err = relative_error(swap_state_layout(work.shape, final[rows]), state[rows])
     except Exception as exc:  # an FLA release with another API must not stop the bench
         return FlaCheck(work.shape.name, work.batch, math.inf, math.inf, tolerance, False, f"{type(exc).__name__}: {exc}")
     ok = out_err <= tolerance and state_err <= tolerance

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import logging
+import multiprocessing
 import os
 import sys
 import time
@@ -123,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_int(p, "--batch", 1, default=3, help="batch rows (default: 3)")
     _add_int(p, "--cycles", 1, default=3, help="flush cycles per sequence (default: 3)")
     p.add_argument("--full", action="store_true", help="check the full shapes on the CPU too (slow under the interpreter)")
+    _add_int(p, "--jobs", 1, default=None, metavar="N", help="on the CPU, shapes checked at once in worker processes (default: the CPUs)")
     p.add_argument("--gpu", default=None, help=(
         "check every config `build --gpu GPU` bakes from TUNE_DIR instead of the defaults: one module per bucket position "
         "of the dispatch tables, each config run at --batch rows (needs a CUDA GPU; kernels without records keep their defaults)"))
@@ -254,8 +257,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     if not has_gpu:
         os.environ["TRITON_INTERPRET"] = "1"
     from replaygen.build import select_shapes
-    from replaygen.harness import check_decode, check_speculative
-    from replaygen.runtime import load_kernels, require_interpreter_support
+    from replaygen.runtime import require_interpreter_support
     from replaygen.spec import load_spec
 
     if not has_gpu:
@@ -263,34 +265,50 @@ def cmd_check(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
     device = "cuda" if has_gpu else "cpu"
     dtype = getattr(torch, DTYPES[_activation_dtype(spec, args.dtype, "bf16" if has_gpu else "fp32")])
-    failed = 0
     groups = _check_groups(select_shapes(spec, args.shape), reduce=not has_gpu and not args.full)
     started = time.monotonic()
-    for index, (run_shape, shapes) in enumerate(groups.items()):
-        names = ", ".join(shape.name for shape in shapes)
-        reduced = "" if run_shape in shapes else f" (reduced for the interpreter: {_describe(run_shape)}; --full for the real shapes)"
-        print(f"[{index + 1}/{len(groups)}] {spec.name}/{names} on {device}{reduced}", flush=True)
-        shape_started = time.monotonic()
-        for label, configs in _check_variants(spec, shapes[0], args) if args.gpu else [("", None)]:
-            if label:
-                print(f"  {label}")
-            module = load_kernels(spec, run_shape, configs)
-            reports = [
-                check_decode(module, spec, run_shape, device=device, act_dtype=dtype, batch=args.batch, cycles=args.cycles, route=route)
-                for route in ("output_only", "state_and_output")
-            ]
-            steps = args.cycles * max(2, run_shape.capacity // run_shape.window)
-            reports += [
-                check_speculative(module, spec, run_shape, device=device, act_dtype=dtype, batch=args.batch, steps=steps, accept=accept)
-                for accept in ("random", "all")
-            ]
-            reports.append(check_speculative(module, spec, run_shape, device=device, act_dtype=dtype, batch=args.batch, steps=steps, mixed=True))
-            for report in reports:
-                print("\n".join(report.lines()))
-                failed += not report.ok
-        print(f"  {time.monotonic() - shape_started:.0f} s ({time.monotonic() - started:.0f} s in all)", flush=True)
+    jobs = min(args.jobs or os.cpu_count() or 1, len(groups)) if not has_gpu else 1
+    pool = concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) if jobs > 1 else None
+    try:
+        work = [(run_shape, shapes, pool.submit(_check_group, args.spec, run_shape, shapes[0].name, str(dtype), args) if pool else None) for run_shape, shapes in groups.items()]
+        failed = 0
+        for index, (run_shape, shapes, future) in enumerate(work):
+            names = ", ".join(shape.name for shape in shapes)
+            reduced = "" if run_shape in shapes else f" (reduced for the interpreter: {_describe(run_shape)}; --full for the real shapes)"
+            print(f"[{index + 1}/{len(groups)}] {spec.name}/{names} on {device}{reduced}", flush=True)
+            lines, failures, seconds = future.result() if future else _check_group(args.spec, run_shape, shapes[0].name, str(dtype), args)
+            print("\n".join(lines))
+            print(f"  {seconds:.0f} s ({time.monotonic() - started:.0f} s in all, {jobs} process(es))", flush=True)
+            failed += failures
+    finally:
+        if pool:
+            pool.shutdown(cancel_futures=True)
     print("all checks passed" if not failed else f"{failed} check(s) FAILED")
     return 1 if failed else 0
+
+
+def _check_group(spec_file: Path, run_shape, shape_name: str, dtype_name: str, args: argparse.Namespace) -> tuple[list[str], int, float]:
+    """`check` of one (reduced) shape: its report lines, the number of failed scenarios, its seconds. Runs in a
+    worker process of its own where `check` runs several at once."""
+    import torch
+
+    from replaygen.harness import check_module
+    from replaygen.runtime import load_kernels
+    from replaygen.spec import load_spec
+
+    began = time.monotonic()
+    spec = load_spec(spec_file)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, dtype_name.removeprefix("torch."))
+    lines, failed = [], 0
+    for label, configs in _check_variants(spec, spec.shape(shape_name), args) if args.gpu else [("", None)]:
+        if label:
+            lines.append(f"  {label}")
+        module = load_kernels(spec, run_shape, configs)
+        for report in check_module(module, spec, run_shape, device=device, act_dtype=dtype, batch=args.batch, cycles=args.cycles):
+            lines += report.lines()
+            failed += not report.ok
+    return lines, failed, time.monotonic() - began
 
 
 def _activation_dtype(spec: Spec, requested: str | None, usual: str) -> str:
@@ -403,6 +421,8 @@ def _describe(shape) -> str:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from replaygen.build import select_shapes
     from replaygen.plan import buffers
     from replaygen.spec import load_spec
@@ -412,9 +432,9 @@ def cmd_show(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
     act = DType(DTYPES[_activation_dtype(spec, args.dtype, "bf16")])
     print(f"spec {spec.name} ({spec.source_file}, sha256 {spec.source_sha256[:12]}): {spec.description}")
-    print(f"  update {spec.update.kind.value}, decay per {spec.decay.granularity.value}, state {spec.state.dtype.value} {spec.state.layout.value}, activations {act.value}")
+    print(f"  update {spec.update.kind.value}, decay per {spec.decay.granularity.value}, state {spec.state.dtype.value}, activations {act.value}")
     for shape in select_shapes(spec, args.shape):
-        print(f"\nshape {shape.name}: {_describe(shape)}")
+        print(f"\nshape {shape.name}: {_describe(shape)}, state layout {shape.layout.value}")
         print(f"  replay buffer per slot (ring of L + T = {shape.capacity + shape.window} entries, at most L committed):")
         for buf in buffers(spec, shape):
             rows = "key_heads" if buf.per_key_head else "heads"
@@ -427,7 +447,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         print("  bytes per step and sequence      baseline      replay (avg over a flush cycle of L steps)")
         for field in ("state_read", "state_write", "buffer_read", "buffer_write", "inputs", "outputs", "total"):
             print(f"    {field:<28} {getattr(base, field):>12,.0f} {getattr(rep, field):>12,.0f}")
-        print(f"  speedup bound (equal bandwidth efficiency): {speedup_bound(spec, shape, act):.3f}x")
+        print(f"  speedup bound (equal bandwidth efficiency): {speedup_bound(spec, shape, act):.3f}x; at other capacities: " + ", ".join(
+            f"L={capacity} {speedup_bound(spec, replace(shape, capacity=capacity), act):.3f}x" for capacity in (4, 8, 16, 32, 64) if capacity != shape.capacity))
         mem = slot_memory(spec, shape, act)
         print(f"  memory per slot: baseline {mem.baseline:,} B; replay {mem.replay:,} B (checkpoint {mem.replay_checkpoint:,} + buffers {mem.replay_buffers:,} + cursors {mem.replay_cursor:,})")
     return 0

@@ -55,7 +55,7 @@ def template_hash() -> str:
 
 def state_shape(plan: ModulePlan) -> tuple[int, int, int]:
     s = plan.shape
-    if plan.spec.state.layout is StateLayout.VALUE_KEY:
+    if s.layout is StateLayout.VALUE_KEY:
         return (s.heads, s.value_dim, s.key_dim)
     return (s.heads, s.key_dim, s.value_dim)
 

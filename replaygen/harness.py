@@ -374,3 +374,16 @@ def check_speculative_through_flushes(
         check_speculative(module, spec, shape, steps=random_steps, tokens=tokens, **options),
         check_speculative(module, spec, shape, steps=flushing_steps, tokens=tokens, accept="all", **options),
     )
+
+
+def check_module(module: ModuleType, spec: Spec, shape: TargetShape, *, device: str | torch.device, act_dtype: torch.dtype, batch: int, cycles: int) -> list[CheckReport]:
+    """`replaygen check`'s scenarios for one module: decode on both routes over `cycles` flush cycles, speculative
+    verify + commit with random and full acceptance, and verify windows mixed with decode steps."""
+    reports = [
+        check_decode(module, spec, shape, device=device, act_dtype=act_dtype, batch=batch, cycles=cycles, route=route)
+        for route in ("output_only", "state_and_output")
+    ]
+    steps = cycles * max(2, shape.capacity // shape.window)
+    reports += [check_speculative(module, spec, shape, device=device, act_dtype=act_dtype, batch=batch, steps=steps, accept=accept) for accept in ("random", "all")]
+    reports.append(check_speculative(module, spec, shape, device=device, act_dtype=act_dtype, batch=batch, steps=steps, mixed=True))
+    return reports

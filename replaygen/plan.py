@@ -106,6 +106,7 @@ class ModulePlan:
     # recurrence switches
     channel_decay: bool
     decay_from_preactivation: bool
+    decay_bound: float | None  # form lower_bound_sigmoid: log a = bound * sigmoid(exp(rate) * (input + bias)); None: -exp(rate) * softplus(...)
     weight_kind: str  # "decay_dt" | "sigmoid" | "one"
     delta_rule: bool
     key_l2norm: bool
@@ -135,9 +136,6 @@ class ModulePlan:
         rank-1 term are cheapest on the key."""
         return self.state_stride_k == 1
 
-    def flag(self, name: str) -> OptionalInput | None:
-        return next((o for o in self.optional_inputs if o.flag == name), None)
-
 
 def plan_module(
     spec: Spec,
@@ -158,7 +156,7 @@ def plan_module(
     if missing:
         raise UnsupportedShapeError(f"no configs for kernels: {', '.join(sorted(k.value for k in missing))}")
     step_inputs, weights = api_tensors(spec, shape)
-    value_key = spec.state.layout is StateLayout.VALUE_KEY
+    value_key = shape.layout is StateLayout.VALUE_KEY
     return ModulePlan(
         spec=spec,
         shape=shape,
@@ -171,7 +169,8 @@ def plan_module(
         state_stride_v=shape.key_dim if value_key else 1,
         state_stride_k=1 if value_key else shape.value_dim,
         channel_decay=spec.decay.granularity is DecayGranularity.CHANNEL,
-        decay_from_preactivation=spec.decay.form is DecayForm.NEG_EXP_SOFTPLUS,
+        decay_from_preactivation=spec.decay.form is not DecayForm.DIRECT,
+        decay_bound=spec.decay.bound,
         weight_kind=spec.update.weight.value,
         delta_rule=spec.update.kind is UpdateKind.DELTA,
         key_l2norm=spec.key.transform is VectorTransform.L2NORM,
@@ -306,7 +305,7 @@ def state_identity(spec: Spec, shape: TargetShape) -> str:
     cache = " ".join(f"{c.field.value}:{c.dtype.value if c.dtype else 'activation'}" for c in spec.cache)
     return (
         f"{spec.name}/{shape.name}: heads={shape.heads} key_heads={shape.key_heads} value_dim={shape.value_dim} key_dim={shape.key_dim}"
-        f" L={shape.capacity} T={shape.window}; state {spec.state.dtype.value} {spec.state.layout.value}; cache {cache}"
+        f" L={shape.capacity} T={shape.window}; state {spec.state.dtype.value} {shape.layout.value}; cache {cache}"
     )
 
 

@@ -39,12 +39,12 @@ class Reference:
     # --- state access -------------------------------------------------------------------------
     def to_layout(self, states: torch.Tensor) -> torch.Tensor:
         """[n, H, V, K] logical states -> the spec's storage layout."""
-        return states if self.spec.state.layout is StateLayout.VALUE_KEY else states.transpose(-1, -2)
+        return states if self.shape.layout is StateLayout.VALUE_KEY else states.transpose(-1, -2)
 
     def from_layout(self, states: torch.Tensor) -> torch.Tensor:
         """States in the spec's storage layout -> [n, H, V, K] float64."""
         states = states.detach().to("cpu", F64)
-        return states if self.spec.state.layout is StateLayout.VALUE_KEY else states.transpose(-1, -2)
+        return states if self.shape.layout is StateLayout.VALUE_KEY else states.transpose(-1, -2)
 
     def load(self, slots: list[int], states: torch.Tensor) -> None:
         """Set the states of `slots` from `states` [n, *state layout]."""
@@ -135,10 +135,12 @@ class Reference:
         pre = x[d.input]
         if d.bias:
             pre = pre + w[d.bias][None]
-        dt = F.softplus(pre)  # threshold 20, as the kernels
-        rate = -torch.exp(w[d.rate])
+        rate = torch.exp(w[d.rate])
         rate = rate[None, :, None] if d.granularity is DecayGranularity.CHANNEL else rate[None, :]
-        return rate * dt, dt
+        if d.form is DecayForm.LOWER_BOUND_SIGMOID:
+            return d.bound * torch.sigmoid(rate * pre), None
+        dt = F.softplus(pre)  # threshold 20, as the kernels
+        return -rate * dt, dt
 
     def _weight(self, x: Mapping[str, torch.Tensor | None], dt: torch.Tensor | None) -> torch.Tensor:
         u = self.spec.update

@@ -202,3 +202,21 @@ def test_default_dtype_is_one_the_spec_supports(capsys, tmp_path):
     assert _activation_dtype(half, "fp16", "fp32") == "fp16"
     assert main(["show", str(path)]) == 0
     assert "activations bfloat16" in capsys.readouterr().out
+
+
+def test_verbose_after_the_command(tmp_path):
+    """`-v` reads the same before and after the command."""
+    from replaygen.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["list", "-v"]).verbose and parser.parse_args(["-v", "list"]).verbose
+    assert not parser.parse_args(["list"]).verbose
+
+
+def test_a_gpu_without_records_names_those_with_them(capsys, tmp_path):
+    assert main(["build", "mamba2", "--shape", "nemotron-h", "--gpu", "b200", "--out", str(tmp_path)]) == 2
+    assert "no tuning records for mamba2/nemotron-h on b200" in (err := capsys.readouterr().err) and "records of it exist for h100, h200" in err
+    assert main(["list", "--specs-dir", str(tmp_path)]) == 2
+    assert f"no spec files (*.yaml) in {tmp_path}: pass --specs-dir" in capsys.readouterr().err
+    assert main(["show", "nosuchspec"]) == 2
+    assert "no spec file 'nosuchspec' (not a file here, nor a shipped spec: gdn, kda, mamba2)" in capsys.readouterr().err

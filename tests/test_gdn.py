@@ -27,8 +27,10 @@ def gdn(layout="value_key"):
 
 @pytest.fixture(scope="module", params=["value_key", "key_value"])
 def layout_kernels(request):
+    """The spec in either state layout, its module and the test shape stored in that layout."""
     spec = gdn(request.param)
-    return spec, load_kernels(spec, SHAPE)
+    shape = replace(SHAPE, layout=spec.state.layout)
+    return spec, load_kernels(spec, shape), shape
 
 
 def assert_passes(report):
@@ -46,8 +48,8 @@ def test_shipped_spec():
 
 @pytest.mark.parametrize("route", ["output_only", "state_and_output"])
 def test_decode_both_routes_both_layouts(layout_kernels, route):
-    spec, module = layout_kernels
-    assert_passes(check_decode(module, spec, SHAPE, device=DEVICE, route=route, cycles=3, seed=1))
+    spec, module, shape = layout_kernels
+    assert_passes(check_decode(module, spec, shape, device=DEVICE, route=route, cycles=3, seed=1))
 
 
 @pytest.mark.parametrize("config", [
@@ -57,20 +59,20 @@ def test_decode_both_routes_both_layouts(layout_kernels, route):
 def test_decode_options(config):
     """Precomputed (k_j . k, k_j . q) scores, the separate flush launch and the tensor-core fold on the delta rule."""
     spec = gdn("key_value")
-    shape = replace(SHAPE, value_dim=16)
+    shape = replace(SHAPE, value_dim=16, layout=spec.state.layout)
     module = load_kernels(spec, shape, {KernelKind.REPLAY_DECODE: (BucketConfig(None, config),)})
     for flush_at in (None, 3):
         assert_passes(check_decode(module, spec, shape, device=DEVICE, flush_at=flush_at, cycles=2, seed=9))
 
 
 def test_direct_gates(layout_kernels):
-    spec, module = layout_kernels
-    assert_passes(check_decode(module, spec, SHAPE, device=DEVICE, use_direct=True, cycles=2, seed=2))
+    spec, module, shape = layout_kernels
+    assert_passes(check_decode(module, spec, shape, device=DEVICE, use_direct=True, cycles=2, seed=2))
 
 
 def test_verify_random_acceptance(layout_kernels):
-    spec, module = layout_kernels
-    assert_passes(check_speculative(module, spec, SHAPE, device=DEVICE, steps=10, seed=3))
+    spec, module, shape = layout_kernels
+    assert_passes(check_speculative(module, spec, shape, device=DEVICE, steps=10, seed=3))
 
 
 @pytest.mark.parametrize("layout,readout_dot,route", [
@@ -82,7 +84,7 @@ def test_verify_precomputed_scores(layout, readout_dot, route):
     readout_dot the state and ring are read at every token's q and k by tensor-core products; the state-and-output
     route folds the buffer on every verify."""
     spec = gdn(layout)
-    shape = replace(SMALL, capacity=9, window=4)
+    shape = replace(SMALL, capacity=9, window=4, layout=spec.state.layout)
     config = KernelConfig(block_v=16 if readout_dot else 8, num_warps=1, precompute_scores=True, route=Route(route))
     verify = (BucketConfig(None, replace(config, readout_dot=readout_dot)),)
     module = load_kernels(spec, shape, {KernelKind.REPLAY_VERIFY: verify, KernelKind.REPLAY_DECODE: (BucketConfig(None, config),)})
@@ -96,7 +98,7 @@ def test_split_verify(block_v, fold_dot, prefetch):
     and writes the checkpoint read at every token's q and k; the window half (the whole head per program) adds the
     ring (every position prefetched, or only the live ones), solves for the corrections and appends them."""
     spec = gdn("key_value")
-    shape = replace(ODD, capacity=9, window=4)
+    shape = replace(ODD, capacity=9, window=4, layout=spec.state.layout)
     verify = KernelConfig(block_v=block_v, num_warps=1, precompute_scores=True, fold_dot=fold_dot, prefetch_ring=prefetch, window_block_v=16)
     module = load_kernels(spec, shape, {KernelKind.REPLAY_VERIFY: (BucketConfig(None, verify),)})
     assert_passes(check_speculative(module, spec, shape, device=DEVICE, mixed=True, steps=12, seed=13))

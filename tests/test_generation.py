@@ -204,7 +204,8 @@ def test_every_shape_of_every_shipped_spec_compiles(mamba2):
 def test_layout_option_changes_strides(mamba2):
     text = (ROOT / "specs" / "mamba2.yaml").read_text().replace("layout: value_key", "layout: key_value")
     spec = load_spec_text(text, "kv.yaml")
-    source = render_module(default_plan(spec, SMALL))
+    assert {shape.layout for shape in spec.shapes} == {spec.state.layout}  # the spec's layout is its shapes' default
+    source = render_module(default_plan(spec, replace(SMALL, layout=spec.state.layout)))
     assert "STATE_STRIDE_V = tl.constexpr(1)" in source and "STATE_STRIDE_K = tl.constexpr(8)" in source
     assert "STATE_SHAPE = (4, 16, 8)" in source
 

@@ -10,6 +10,7 @@ from replaygen.configs import BucketConfig, KernelKind, Route, module_defaults
 from replaygen.errors import ReplaygenError
 from replaygen.offline import CALLS, Architecture, CompileRun, architecture, bucket_batches, compile_job, compile_modules
 from replaygen.spec import load_spec, load_spec_text
+from replaygen.spec.model import StateLayout
 from replaygen.tune.apply import resolve_configs
 from replaygen.keys import candidate_tables, render_candidate
 
@@ -64,9 +65,9 @@ def test_every_shipped_module_compiles_for_the_h100(shipped_reports, name, shape
 GDN_TEXT = (ROOT / "specs" / "gdn.yaml").read_text()
 MAMBA2_TEXT = (ROOT / "specs" / "mamba2.yaml").read_text()
 VARIANTS = {
-    "mamba2-key_value": (MAMBA2_TEXT.replace("layout: value_key", "layout: key_value"), SMALL),
+    "mamba2-key_value": (MAMBA2_TEXT.replace("layout: value_key", "layout: key_value"), replace(SMALL, layout=StateLayout.KEY_VALUE)),
     "gdn": (GDN_TEXT, replace(SMALL, capacity=8, window=2)),
-    "gdn-key_value": (GDN_TEXT.replace("layout: value_key", "layout: key_value"), replace(SMALL, capacity=8, window=4)),
+    "gdn-key_value": (GDN_TEXT.replace("layout: value_key", "layout: key_value"), replace(SMALL, capacity=8, window=4, layout=StateLayout.KEY_VALUE)),
     "kda-channel_decay": (GDN_TEXT.replace("granularity: head", "granularity: channel"), replace(SMALL, capacity=8, window=2)),
     "mamba2-odd": (MAMBA2_TEXT, ODD),
     "gdn-odd": (GDN_TEXT, ODD),

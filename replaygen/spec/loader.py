@@ -204,7 +204,7 @@ class _SpecBuilder:
         state = self._state(top["state"])
         activations = self._activations(top["activations"], state)
         cache, capacity, window = self._replay(top["replay"], update, decay)
-        shapes = self._shapes(top["shapes"], inputs, capacity, window)
+        shapes = self._shapes(top["shapes"], inputs, capacity, window, state.layout)
         return Spec(
             name=name,
             description=description,
@@ -246,7 +246,7 @@ class _SpecBuilder:
         return Inputs(value=m["value"].value, key=m["key"].value, query=m["query"].value, key_sharing=sharing)
 
     def _decay(self, node: Node) -> Decay:
-        m = _Map(node, required={"granularity", "form", "input"}, optional={"rate", "bias", "direct_input"})
+        m = _Map(node, required={"granularity", "form", "input"}, optional={"rate", "bias", "direct_input", "bound"})
         granularity = _enum(m["granularity"], DecayGranularity)
         form = _enum(m["form"], DecayForm)
         input_name = _identifier(m["input"])
@@ -255,6 +255,11 @@ class _SpecBuilder:
         bias = _optional_identifier(m.get("bias"))
         if form is DecayForm.NEG_EXP_SOFTPLUS and rate is None:
             raise node.error("form 'neg_exp_softplus' needs 'rate' (the weight A_log in log a = -exp(A_log) * softplus(input + bias))")
+        if form is DecayForm.LOWER_BOUND_SIGMOID and (rate is None or m.get("bound") is None):
+            raise node.error("form 'lower_bound_sigmoid' needs 'rate' and 'bound' (log a = bound * sigmoid(exp(rate) * (input + bias)), bound < 0)")
+        if form is not DecayForm.LOWER_BOUND_SIGMOID and m.get("bound") is not None:
+            raise node.error("'bound' belongs to form 'lower_bound_sigmoid'", "bound")
+        bound = _float(m["bound"], -1e4, -1e-6) if m.get("bound") is not None else None
         if form is DecayForm.DIRECT and (rate is not None or bias is not None):
             raise node.error("form 'direct' takes the log decay as is: remove 'rate' and 'bias'", "rate" if rate else "bias")
         self._claim(m.get("rate"))
@@ -263,7 +268,7 @@ class _SpecBuilder:
         if direct is not None and form is DecayForm.DIRECT:
             raise node.error("'direct_input' only makes sense when the form computes the decay from a pre-activation", "direct_input")
         self._claim(m.get("direct_input"))
-        return Decay(granularity, form, input_name, rate, bias, direct)
+        return Decay(granularity, form, input_name, rate, bias, direct, bound)
 
     def _update(self, node: Node, decay: Decay) -> Update:
         m = _Map(node, required={"kind", "weight"}, optional={"weight_input", "weight_direct_input"})
@@ -388,14 +393,14 @@ class _SpecBuilder:
                 " or every verify step would flush"
             )
 
-    def _shapes(self, node: Node, inputs: Inputs, capacity: int, window: int) -> tuple[TargetShape, ...]:
+    def _shapes(self, node: Node, inputs: Inputs, capacity: int, window: int, layout: StateLayout) -> tuple[TargetShape, ...]:
         if not isinstance(node.value, dict) or not node.value:
             raise node.error("expected a non-empty mapping of shape name -> sizes")
         shapes = []
         for shape_name, shape_node in node.value.items():
             if not SHAPE_NAME.fullmatch(shape_name):
                 raise node.error(f"shape name {shape_name!r} must be lowercase letters, digits, '-' and '.'", shape_name)
-            m = _Map(shape_node, required={"heads", "value_dim", "key_dim"}, optional={"key_heads", "capacity", "window"})
+            m = _Map(shape_node, required={"heads", "value_dim", "key_dim"}, optional={"key_heads", "capacity", "window", "layout"})
             heads = _int(m["heads"], 1, 4096)
             key_heads = _int(m["key_heads"], 1, 4096) if m.get("key_heads") is not None else heads
             if inputs.key_sharing is Sharing.HEAD and key_heads != heads:
@@ -407,7 +412,8 @@ class _SpecBuilder:
             shape_capacity = _int(m["capacity"], 2, MAX_CAPACITY) if m.get("capacity") is not None else capacity
             shape_window = _int(m["window"], 1, MAX_WINDOW) if m.get("window") is not None else window
             self._check_flush_rule(m.get("capacity") or m.get("window") or shape_node, shape_capacity, shape_window)
-            shape = TargetShape(shape_name, heads, key_heads, value_dim, key_dim, shape_capacity, shape_window)
+            shape_layout = _enum(m["layout"], StateLayout) if m.get("layout") is not None else layout
+            shape = TargetShape(shape_name, heads, key_heads, value_dim, key_dim, shape_capacity, shape_window, shape_layout)
             self._check_shape_ident(node, shapes, shape)
             shapes.append(shape)
         return tuple(shapes)

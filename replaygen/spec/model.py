@@ -37,6 +37,7 @@ class DecayGranularity(enum.Enum):
 
 class DecayForm(enum.Enum):
     NEG_EXP_SOFTPLUS = "neg_exp_softplus"  # log a = -exp(rate) * softplus(input + bias)
+    LOWER_BOUND_SIGMOID = "lower_bound_sigmoid"  # log a = bound * sigmoid(exp(rate) * (input + bias)), in (bound, 0)
     DIRECT = "direct"  # log a = input
 
 
@@ -111,6 +112,7 @@ class Decay:
     rate: str | None  # weight [heads]
     bias: str | None  # weight [heads] or [heads, key_dim]
     direct_input: str | None  # optional: log decay passed directly, same shape as `input`
+    bound: float | None = None  # form lower_bound_sigmoid: the log decay's lower bound (negative)
 
 
 @dataclass(frozen=True)
@@ -144,7 +146,7 @@ class Readout:
 @dataclass(frozen=True)
 class StateSpec:
     dtype: DType
-    layout: StateLayout
+    layout: StateLayout  # the shapes' default
 
 
 @dataclass(frozen=True)
@@ -162,6 +164,7 @@ class TargetShape:
     key_dim: int
     capacity: int  # L, ring-buffer entries per slot
     window: int  # T, speculative window
+    layout: StateLayout = StateLayout.VALUE_KEY  # how a state is stored (the spec's state.layout unless the shape says)
 
     @property
     def heads_per_key_head(self) -> int:

@@ -7,9 +7,8 @@ import sys
 from dataclasses import dataclass
 from typing import TextIO
 
-from replaygen.configs import KernelConfig, KernelKind, Route
+from replaygen.configs import REPLAY_KINDS, KernelConfig, KernelKind, Route
 from replaygen.tune.records import TrialRecord, TrialStatus
-from replaygen.tune.space import REPLAY_KINDS
 from replaygen.tune.study import Progress, SearchResult, SearchTask
 
 # The kernel each kind's speedup is taken against.

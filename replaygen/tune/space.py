@@ -73,7 +73,7 @@ import json
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
 
-from replaygen.configs import CURSOR_GRAIN, KernelConfig, KernelKind, Route, bucket_config, default_configs, state_tile_elements, validate_config
+from replaygen.configs import CURSOR_GRAIN, REPLAY_KINDS, KernelConfig, KernelKind, Route, bucket_config, default_configs, state_tile_elements, validate_config
 from replaygen.errors import ReplaygenError, UnsupportedShapeError
 from replaygen.spec.model import TargetShape
 
@@ -84,8 +84,6 @@ TUNABLE_KINDS: tuple[KernelKind, ...] = (
     KernelKind.REPLAY_VERIFY,
     KernelKind.BASELINE_VERIFY,
 )
-# Kernels that fold the ring (fold_chunk, fold_dot, prefetch_ring apply).
-REPLAY_KINDS = frozenset({KernelKind.REPLAY_DECODE, KernelKind.REPLAY_VERIFY})
 NUM_WARPS: tuple[int, ...] = (1, 2, 4, 8)
 MAX_REGISTERS: tuple[int, ...] = (0, 128)
 FOLD_CHUNKS: tuple[int, ...] = (1, 2, 4, 8)

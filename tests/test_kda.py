@@ -1,0 +1,148 @@
+"""Kimi Delta Attention from its spec alone: every kernel against the float64 reference (both state layouts, odd
+sizes, the gate given directly or bounded), and against FLA's naive recurrence written here on its own terms."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route
+from replaygen.harness import check_decode, check_speculative
+from replaygen.runtime import load_kernels
+from replaygen.spec import load_spec, load_spec_text
+from replaygen.spec.model import DecayForm, DecayGranularity, StateLayout, UpdateKind
+from replaygen.traffic import speedup_bound
+
+from conftest import DEVICE, ODD, ROOT, SMALL
+
+KDA_TEXT = (ROOT / "specs" / "kda.yaml").read_text()
+KDA = load_spec(ROOT / "specs" / "kda.yaml")
+SHAPE = replace(SMALL, heads=4, key_heads=4, capacity=8, window=2)  # no key sharing, as Kimi Linear
+
+
+def assert_passes(report):
+    assert report.ok, "\n".join(report.lines())
+
+
+def test_shipped_spec():
+    assert KDA.decay.granularity is DecayGranularity.CHANNEL and KDA.update.kind is UpdateKind.DELTA
+    main = KDA.shape("kimi-linear")
+    assert (main.heads, main.key_heads, main.value_dim, main.key_dim) == (32, 32, 128, 128)
+    assert main.layout is StateLayout.VALUE_KEY and KDA.shape("kimi-linear-fla").layout is StateLayout.KEY_VALUE
+    assert 1.6 < speedup_bound(KDA, main, KDA.activations[0]) < 1.7  # the per-channel log decay costs ring bytes
+
+
+@pytest.fixture(scope="module", params=[StateLayout.VALUE_KEY, StateLayout.KEY_VALUE], ids=lambda layout: layout.value)
+def kernels(request):
+    shape = replace(SHAPE, layout=request.param)
+    return shape, load_kernels(KDA, shape)
+
+
+@pytest.mark.parametrize("route", ["output_only", "state_and_output"])
+def test_decode_against_the_reference(kernels, route):
+    shape, module = kernels
+    assert_passes(check_decode(module, KDA, shape, device=DEVICE, route=route, cycles=2, seed=1))
+
+
+def test_decode_with_the_gate_given_directly(kernels):
+    shape, module = kernels
+    assert_passes(check_decode(module, KDA, shape, device=DEVICE, use_direct=True, cycles=2, seed=2))
+
+
+def test_verify_against_the_reference(kernels):
+    shape, module = kernels
+    assert_passes(check_speculative(module, KDA, shape, device=DEVICE, steps=8, seed=3))
+    assert_passes(check_speculative(module, KDA, shape, device=DEVICE, accept="all", mixed=True, steps=9, seed=4))
+
+
+def test_odd_sizes_and_the_tensor_core_fold():
+    shape = replace(ODD, heads=3, key_heads=3, capacity=7, window=3, layout=StateLayout.KEY_VALUE)
+    config = KernelConfig(block_v=16, fold_dot=True, prefetch_ring=False)
+    tables = {KernelKind.REPLAY_DECODE: (BucketConfig(None, config),), KernelKind.REPLAY_VERIFY: (BucketConfig(None, replace(config, route=Route.STATE_AND_OUTPUT)),)}
+    module = load_kernels(KDA, replace(shape, value_dim=16), tables)
+    assert_passes(check_decode(module, KDA, replace(shape, value_dim=16), device=DEVICE, cycles=2, seed=5))
+    assert_passes(check_speculative(module, KDA, replace(shape, value_dim=16), device=DEVICE, mixed=True, steps=8, seed=6))
+
+
+def test_the_bounded_gate():
+    """FLA's lower-bound form, log a = bound * sigmoid(exp(A_log) * (a + dt_bias)), from the spec's words alone."""
+    text = KDA_TEXT.replace("  form: neg_exp_softplus\n", "  form: lower_bound_sigmoid\n  bound: -5.0\n")
+    spec = load_spec_text(text, "kda_bounded.yaml")
+    assert spec.decay.form is DecayForm.LOWER_BOUND_SIGMOID and spec.decay.bound == -5.0
+    module = load_kernels(spec, SHAPE)
+    assert "DECAY_BOUND = tl.constexpr(-5.0)" in open(module.__file__).read()
+    assert_passes(check_decode(module, spec, SHAPE, device=DEVICE, cycles=2, seed=7))
+    assert_passes(check_speculative(module, spec, SHAPE, device=DEVICE, steps=6, seed=8))
+
+
+# --- FLA's semantics, written here from its description, apart from replaygen's reference --------------------
+
+
+def fla_kda_gate(a, A_log, dt_bias, lower_bound=None):
+    """FLA's gate: [B, T, H, K] raw -> log decay; A_log [H], dt_bias [H * K]."""
+    x = a + dt_bias.view(a.shape[-2], a.shape[-1])
+    rate = A_log.exp().view(-1, 1)
+    return -rate * F.softplus(x) if lower_bound is None else lower_bound * torch.sigmoid(rate * x)
+
+
+def fla_naive_recurrent_kda(q, k, v, g, beta, scale, initial_state):
+    """FLA's naive_recurrent_kda: time-major [B, T, H, K] inputs, state [B, H, K, V]; per token the state decays by
+    exp(g) along K, then the delta correction against the decayed state, then o = (scale q)^T S."""
+    S = initial_state.clone()
+    q = q * scale
+    out = []
+    for t in range(q.shape[1]):
+        S = S * g[:, t].exp()[..., None]
+        prediction = torch.einsum("bhk,bhkv->bhv", k[:, t], S)
+        S = S + torch.einsum("bhk,bhv->bhkv", beta[:, t, :, None] * k[:, t], v[:, t] - prediction)
+        out.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S))
+    return torch.stack(out, 1), S
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus gate", "bounded gate"])
+@pytest.mark.parametrize("layout", [StateLayout.VALUE_KEY, StateLayout.KEY_VALUE], ids=lambda layout: layout.value)
+def test_against_fla_naive_recurrence(layout, lower_bound):
+    """Twenty tokens (two flushes of the L=8 buffer) through replay decode, and through verify windows of 2 with every
+    draft accepted, against FLA's recurrence on the same raw inputs: outputs per token and the final state."""
+    text = KDA_TEXT if lower_bound is None else KDA_TEXT.replace("  form: neg_exp_softplus\n", f"  form: lower_bound_sigmoid\n  bound: {lower_bound}\n")
+    spec = load_spec_text(text, "kda.yaml")
+    shape = replace(SHAPE, layout=layout)
+    module = load_kernels(spec, shape)
+    gen = torch.Generator().manual_seed(11)
+    batch, tokens, heads, key_dim, value_dim = 2, 20, shape.heads, shape.key_dim, shape.value_dim
+    q, k = (torch.randn(batch, tokens, heads, key_dim, generator=gen, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(batch, tokens, heads, value_dim, generator=gen, dtype=torch.float64)
+    a = 0.5 * torch.randn(batch, tokens, heads, key_dim, generator=gen, dtype=torch.float64)
+    b = torch.randn(batch, tokens, heads, generator=gen, dtype=torch.float64)
+    A_log = torch.log(1 + 7 * torch.rand(heads, generator=gen, dtype=torch.float64))
+    dt_bias = -1 - 3 * torch.rand(heads * key_dim, generator=gen, dtype=torch.float64)
+    state0 = 0.5 * torch.randn(batch, heads, key_dim, value_dim, generator=gen, dtype=torch.float64)
+    def l2norm(x):  # FLA's use_qk_l2norm_in_kernel
+        return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+    expected, final = fla_naive_recurrent_kda(l2norm(q), l2norm(k), v, fla_kda_gate(a, A_log, dt_bias, lower_bound), torch.sigmoid(b), key_dim**-0.5, state0)
+
+    def ours(x):
+        return x.to(DEVICE, torch.float32)
+
+    stored = state0.transpose(-1, -2) if layout is StateLayout.VALUE_KEY else state0  # FLA holds [K, V]
+    weights = {"A_log": ours(A_log), "dt_bias": ours(dt_bias.view(heads, key_dim))}
+    slots = torch.tensor([1, 0], dtype=torch.int32, device=DEVICE)
+    for windowed in (False, True):
+        state = module.allocate(2, DEVICE, torch.float32)
+        module.load(state, slots, ours(stored).contiguous())
+        outputs = []
+        for t in range(0, tokens, 2 if windowed else 1):
+            step = slice(t, t + 2) if windowed else t
+            inputs = {"v": ours(v[:, step]), "k": ours(k[:, step]), "q": ours(q[:, step]), "a": ours(a[:, step]), "b": ours(b[:, step])}
+            if windowed:
+                outputs.append(module.verify(state, slots, **inputs, **weights))
+                module.commit(state, slots, torch.full((2,), 2, dtype=torch.int32, device=DEVICE))
+            else:
+                outputs.append(module.decode(state, slots, **inputs, **weights)[:, None])
+        got = torch.cat(outputs, 1).double().cpu()
+        assert (got - expected).abs().max() / expected.abs().max() < 1e-4, "outputs"
+        materialized = module.materialize(state, slots).double().cpu()
+        materialized = materialized.transpose(-1, -2) if layout is StateLayout.VALUE_KEY else materialized
+        assert (materialized - final).abs().max() / final.abs().max() < 1e-4, "final state"
