@@ -226,7 +226,7 @@ class SearchSpace:
             "parameters": [[p.name, list(p.choices), p.scale.value] for p in self.parameters],
             "default": self.default.as_dict(),
         }
-        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+        return hashlib.sha256(json.dumps(payload, sort_keys=True, default=lambda value: value.value).encode()).hexdigest()  # enums by value
 
     def fix(self, name: str, value: str) -> SearchSpace:
         """This space with parameter `name` restricted to `value` (given as text, e.g. from --fix)."""
