@@ -74,7 +74,7 @@ def _normalize_gpu_options(args: argparse.Namespace) -> None:
 def _resolve_paths(args: argparse.Namespace) -> None:
     """The spec file a command names (a path or a shipped spec's name), and the default folders that go with it
     (replaygen.paths): its records for --tune-dir (tune: --out), its modules for build's --out."""
-    from replaygen.paths import RECORDS, SPECS, modules_dir, records_dir, shipped, spec_file
+    from replaygen.paths import RECORDS, SPECS, modules_dir, project_of_folder, records_dir, shipped, spec_file
 
     if getattr(args, "spec", None) is not None:
         args.spec = spec_file(args.spec)
@@ -88,7 +88,7 @@ def _resolve_paths(args: argparse.Namespace) -> None:
         if args.specs_dir is None:
             args.specs_dir = shipped(SPECS)
         if args.tune_dir is None:
-            args.tune_dir = shipped(RECORDS) if args.specs_dir == shipped(SPECS) else records_dir(args.specs_dir / "x.yaml")
+            args.tune_dir = shipped(RECORDS) if args.specs_dir == shipped(SPECS) else project_of_folder(args.specs_dir) / RECORDS
 
 
 def build_parser() -> argparse.ArgumentParser:

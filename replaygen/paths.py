@@ -42,7 +42,12 @@ def spec_file(name: str) -> Path:
 
 def project_of(spec_path: Path) -> Path:
     """The folder a spec's records and modules live in (see the module docstring)."""
-    folder = Path(spec_path).resolve().parent
+    return project_of_folder(Path(spec_path).resolve().parent)
+
+
+def project_of_folder(specs_folder: Path) -> Path:
+    """The project a folder of spec files belongs to: the folder above it when it is named specs/, else itself."""
+    folder = Path(specs_folder).resolve()
     return folder.parent if folder.name == SPECS else folder
 
 

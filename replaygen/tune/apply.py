@@ -225,7 +225,7 @@ def resolve_configs(
     defaulted = sorted(kind.value for kind, text in sources.items() if text.startswith("documented defaults"))
     source = label + (f"; defaults for {', '.join(defaulted)}" if defaulted else "") + ("; flushes spread (no align_flushes)" if spread_flushes else "")
     source += f"; aligned flushes in {flush_groups} groups" if regrouped and flush_groups > 1 else ""
-    kinds = tuple(KindSource(kind=kind, text=sources[kind] if kind in sources else "tuned") for kind in KernelKind)
+    kinds = tuple(KindSource(kind=kind, text=sources[kind]) for kind in KernelKind)
     return Resolved(configs=configs, source=source, kinds=kinds, notes=tuple(notes))
 
 
