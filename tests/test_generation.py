@@ -16,6 +16,7 @@ from replaygen.plan import plan_module
 from replaygen.spec import load_spec, load_spec_text
 
 from conftest import ROOT, SMALL
+from records_helpers import trial, write
 
 
 def default_plan(spec, shape, gpu="h100"):
@@ -225,25 +226,42 @@ def test_written_files_take_the_umask_and_keep_their_mode(tmp_path):
         os.umask(previous)
 
 
-def test_spread_flushes_leaves_out_the_aligned_configs(tmp_path):
-    """`build --spread-flushes`: the shipped records' replay-decode winners without align_flushes (the next fastest
-    trial of each such bucket), the same as the plain build everywhere else; the module header says so."""
-    from replaygen.tune.apply import resolve_configs
-
+def qwen_records(tune_dir):
+    """gdn/qwen3.5 replay-decode trials in `tune_dir`: an aligned two-group winner at b32 and b256 with a slower spread
+    trial beside each, a spread winner at b1; returns (spec, shape)."""
     spec = load_spec(ROOT / "specs" / "gdn.yaml")
     shape = spec.shape("qwen3.5")
-    shipped = resolve_configs(spec, shape, "h100", ROOT / "tune")
-    spread = resolve_configs(spec, shape, "h100", ROOT / "tune", spread_flushes=True)
-    aligned = [b for b in shipped.configs[KernelKind.REPLAY_DECODE] if b.config.align_flushes]
-    assert aligned, "the shipped qwen3.5 record has no aligned bucket left to test with"
+    aligned = KernelConfig(block_v=32, num_warps=4, precompute_scores=True, overlap_scores=True, align_flushes=True, flush_groups=2)
+    spread = replace(aligned, align_flushes=False, flush_groups=1)
+    kind = KernelKind.REPLAY_DECODE
+    write(tune_dir, spec, shape, [
+        trial(spec, shape, kind, replace(spread, block_v=16), 1, 0.010),
+        trial(spec, shape, kind, aligned, 32, 0.050),
+        trial(spec, shape, kind, spread, 32, 0.053),
+        trial(spec, shape, kind, aligned, 256, 0.40),
+        trial(spec, shape, kind, replace(spread, num_warps=8), 256, 0.42),
+    ])
+    return spec, shape
+
+
+def test_spread_flushes_leaves_out_the_aligned_configs(tmp_path):
+    """`build --spread-flushes`: the records' replay-decode winners without align_flushes (the next fastest trial of
+    each such bucket), the same as the plain build everywhere else; the module header says so."""
+    from replaygen.tune.apply import resolve_configs
+
+    spec, shape = qwen_records(tune_dir := tmp_path / "tune")
+    shipped = resolve_configs(spec, shape, "h100", tune_dir)
+    spread = resolve_configs(spec, shape, "h100", tune_dir, spread_flushes=True)
+    assert all(bucket_config(shipped.configs[KernelKind.REPLAY_DECODE], batch).align_flushes for batch in (32, 256))
     assert not any(b.config.align_flushes for b in spread.configs[KernelKind.REPLAY_DECODE])
+    assert bucket_config(spread.configs[KernelKind.REPLAY_DECODE], 256).num_warps == 8
     for batch in BATCH_BUCKETS:
         shipped_config = bucket_config(shipped.configs[KernelKind.REPLAY_DECODE], batch)
         if not shipped_config.align_flushes:
             assert bucket_config(spread.configs[KernelKind.REPLAY_DECODE], batch) == shipped_config, f"batch {batch}"
     assert {k: v for k, v in spread.configs.items() if k is not KernelKind.REPLAY_DECODE} == {k: v for k, v in shipped.configs.items() if k is not KernelKind.REPLAY_DECODE}
     assert any("align_flushes left out (--spread-flushes)" in note for note in spread.notes)
-    (module,) = build_spec(spec, (shape,), "h100", tmp_path, tune_dir=ROOT / "tune", spread_flushes=True)
+    (module,) = build_spec(spec, (shape,), "h100", tmp_path / "gen", tune_dir=tune_dir, spread_flushes=True)
     assert "flushes spread (no align_flushes)" in header(module.path.read_text())["configs"]
 
 
@@ -254,16 +272,15 @@ def test_flush_groups_set_every_aligned_config(tmp_path):
     from replaygen.cli import main
     from replaygen.tune.apply import resolve_configs
 
-    spec = load_spec(ROOT / "specs" / "gdn.yaml")
-    shape = spec.shape("qwen3.5")
-    shipped = resolve_configs(spec, shape, "h100", ROOT / "tune")
+    spec, shape = qwen_records(tune_dir := tmp_path / "tune")
+    shipped = resolve_configs(spec, shape, "h100", tune_dir)
     table = shipped.configs[KernelKind.REPLAY_DECODE]
     assert {b.config.flush_groups for b in table if b.config.align_flushes} == {2}
     assert {b.config.flush_groups for b in table if not b.config.align_flushes} == {1}
     for groups, expected in ((1, 1), (4, 4), (99, 16)):
-        regrouped = resolve_configs(spec, shape, "h100", ROOT / "tune", flush_groups=groups).configs[KernelKind.REPLAY_DECODE]
+        regrouped = resolve_configs(spec, shape, "h100", tune_dir, flush_groups=groups).configs[KernelKind.REPLAY_DECODE]
         assert {b.config.flush_groups for b in regrouped if b.config.align_flushes} == {expected}
-    assert "aligned flushes in 2 groups" in shipped.source and "groups" not in resolve_configs(spec, shape, "h100", ROOT / "tune", flush_groups=1).source
-    (module,) = build_spec(spec, (shape,), "h100", tmp_path, tune_dir=ROOT / "tune", flush_groups=4)
+    assert "aligned flushes in 2 groups" in shipped.source and "groups" not in resolve_configs(spec, shape, "h100", tune_dir, flush_groups=1).source
+    (module,) = build_spec(spec, (shape,), "h100", tmp_path / "gen", tune_dir=tune_dir, flush_groups=4)
     assert "aligned flushes in 4 groups" in header(module.path.read_text())["configs"]
     assert main(["build", str(ROOT / "specs" / "gdn.yaml"), "--shape", "qwen3.5", "--out", str(tmp_path), "--flush-groups", "0"]) != 0

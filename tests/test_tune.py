@@ -14,9 +14,8 @@ from pathlib import Path
 import optuna
 import pytest
 import torch
-import triton
 
-from replaygen import __version__, measure
+from replaygen import measure
 from replaygen.build import build_spec
 from replaygen.cli import main
 from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route, bucket_range, bucket_variants, module_defaults
@@ -29,44 +28,17 @@ from replaygen.tune import records as rec
 from replaygen.tune.apply import Mismatch, dispatch_table, resolve_configs, skipped_lines
 from replaygen.tune.objective import CheckResult, Evaluator, ReferenceChecker, TuneAborted, WorkloadTimer
 from replaygen.keys import render_candidate
-from replaygen.tune.records import Environment, RecordStore, TrialRecord, TrialStatus, TrialTiming, append_trials, latest_trials, read_records, record_path
+from replaygen.tune.records import RecordStore, TrialStatus, TrialTiming, latest_trials, read_records, record_path
 from replaygen.tune.report import format_summary, summary_rows
 from replaygen.tune.run import gpu_name_of
 from replaygen.tune.space import PruneRule, derive_space
 from replaygen.tune.study import Mode, Progress, Tuner, TuneSettings, distributions, encode_params, make_storage, plan_tasks, tune
 
 from conftest import ROOT, SMALL
+from records_helpers import env, trial, write
 
 BD, RD, RV, BV = KernelKind.BASELINE_DECODE, KernelKind.REPLAY_DECODE, KernelKind.REPLAY_VERIFY, KernelKind.BASELINE_VERIFY
 SHAPE = replace(SMALL, value_dim=16)  # block_v=16 fits every kernel kind
-
-
-def env(**changes):
-    base = dict(gpu="h100", device_name="NVIDIA H100 80GB HBM3", compute_capability="9.0", triton=triton.__version__, replaygen=__version__)
-    return Environment(**{**base, **changes})
-
-
-def trial(spec, shape, kind, config, batch, ms, environment=None, status=TrialStatus.OK):
-    candidate = render_candidate(spec, shape, kind, config)
-    ok = status is TrialStatus.OK
-    return TrialRecord(
-        id=uuid.uuid4().hex,
-        study="test",
-        batch=batch,
-        config=config,
-        key=candidate.key,
-        environment=environment or env(),
-        activation_dtype="bfloat16",
-        status=status,
-        timing=TrialTiming(ms, ms * 0.99, ms * 1.01, 20) if ok else None,
-        error="" if ok else "boom",
-    )
-
-
-def write(tune_dir, spec, shape, trials, gpu="h100"):
-    path = record_path(tune_dir, gpu, spec, shape)
-    append_trials(path, spec=spec.name, shape=shape.name, gpu=gpu, trials=trials)
-    return path
 
 
 # --- search space -------------------------------------------------------------------------------
