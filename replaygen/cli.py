@@ -432,9 +432,10 @@ def cmd_show(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
     act = DType(DTYPES[_activation_dtype(spec, args.dtype, "bf16")])
     print(f"spec {spec.name} ({spec.source_file}, sha256 {spec.source_sha256[:12]}): {spec.description}")
-    print(f"  update {spec.update.kind.value}, decay per {spec.decay.granularity.value}, state {spec.state.dtype.value}, activations {act.value}")
+    print(f"  update {spec.update.kind.value}, decay per {spec.decay.granularity.value}, activations {act.value}")
     for shape in select_shapes(spec, args.shape):
-        print(f"\nshape {shape.name}: {_describe(shape)}, state layout {shape.layout.value}")
+        rounding = f", {shape.rounding.value} rounding" if shape.state_dtype.itemsize < 4 else ""
+        print(f"\nshape {shape.name}: {_describe(shape)}, state {shape.state_dtype.value} {shape.layout.value}{rounding}")
         print(f"  replay buffer per slot (ring of L + T = {shape.capacity + shape.window} entries, at most L committed):")
         for buf in buffers(spec, shape):
             rows = "key_heads" if buf.per_key_head else "heads"

@@ -16,7 +16,7 @@ import torch
 
 from replaygen.plan import api_tensors
 from replaygen.reference import Reference
-from replaygen.spec.model import CacheField, Spec, TargetShape, VectorTransform
+from replaygen.spec.model import CacheField, DType, Spec, TargetShape, VectorTransform
 from replaygen.traffic import verify_flush_period
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
@@ -99,8 +99,9 @@ class InputFactory:
                 out[name] = values.to(self.device, dtype)
         return out
 
-    def states(self, n: int, layout_shape: tuple[int, ...]) -> torch.Tensor:
-        return (0.5 * self._randn(n, *layout_shape)).to(self.device, torch.float32)
+    def states(self, n: int, layout_shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """`n` random states [n, *layout_shape] in `dtype` (a module's STATE_DTYPE: loaded exactly)."""
+        return (0.5 * self._randn(n, *layout_shape)).to(self.device, dtype)
 
 
 @dataclass
@@ -114,19 +115,29 @@ class KernelErrors:
             self.worst[kernel] = (error, step)
 
 
-def state_tolerance(spec: Spec, act_dtype: torch.dtype) -> float:
+def state_tolerance(spec: Spec, shape: TargetShape, act_dtype: torch.dtype) -> float:
     """Tolerance of the full states (STATE_KERNELS). A state is built from the step inputs, which kernel and reference
     share already rounded, and from what the replay buffer caches. Where a cached field is derived from the inputs
     (the corrected value, a transformed key, a log decay or weight) and stored at a 16-bit dtype, or the state itself
     is 16-bit, the kernels fold rounded values the reference does not, so the states get that dtype's tolerance;
     otherwise the float32 one, so a state that drifts shows at 1e-4 and not only once the 16-bit outputs drift past
     their own tolerance."""
-    dtypes = [spec.state.dtype]
-    for cached in spec.cache:
+    dtypes = [shape.state_dtype]
+    for cached in spec.cache_of(shape):
         raw = cached.field is CacheField.VALUE or (cached.field is CacheField.KEY and spec.key.transform is VectorTransform.NONE)
         if not raw:
             dtypes.append(cached.dtype)
-    return max(TOLERANCE[act_dtype if dtype is None else getattr(torch, dtype.value)] for dtype in dtypes)  # DType values name torch dtypes
+    return max(_tolerance_of(dtype, act_dtype) for dtype in dtypes)
+
+
+def output_tolerance(shape: TargetShape, act_dtype: torch.dtype) -> float:
+    """Tolerance of the outputs: the activation dtype's, or a 16-bit state's where that is coarser (outputs are read
+    from the rounded state)."""
+    return max(TOLERANCE[act_dtype], _tolerance_of(shape.state_dtype, act_dtype))
+
+
+def _tolerance_of(dtype: DType | None, act_dtype: torch.dtype) -> float:
+    return TOLERANCE[act_dtype if dtype is None else getattr(torch, dtype.value)]  # DType values name torch dtypes
 
 
 @dataclass(frozen=True)
@@ -232,7 +243,7 @@ def check_decode(
     for step in range(steps):
         joining = plan.joining(step)
         if joining:
-            init = factory.states(len(joining), tuple(module.STATE_SHAPE))
+            init = factory.states(len(joining), tuple(module.STATE_SHAPE), module.STATE_DTYPE)
             module.load(replay, torch.tensor(joining, dtype=torch.int32, device=device), init)
             baseline[joining] = init
             reference.load(joining, init.cpu())
@@ -253,7 +264,7 @@ def check_decode(
             errors.record("baseline_state", relative_error(baseline[[row_slots[r] for r in rows]], ref_states), step)
     untouched = _untouched(replay, (("baseline state", baseline),), plan.unused)
     label = f"decode route={route or 'default'} flush_at={flush_at or 'default'} {str(act_dtype).replace('torch.', '')} batch={batch}"
-    return CheckReport(label, steps, TOLERANCE[act_dtype], state_tolerance(spec, act_dtype), dict(errors.worst), tuple(untouched))
+    return CheckReport(label, steps, output_tolerance(shape, act_dtype), state_tolerance(spec, shape, act_dtype), dict(errors.worst), tuple(untouched))
 
 
 def _compare(errors: KernelErrors, name: str, y: torch.Tensor, y_ref: torch.Tensor, rows: list[int], padded: list[int], step: int) -> None:
@@ -266,7 +277,7 @@ def _compare(errors: KernelErrors, name: str, y: torch.Tensor, y_ref: torch.Tens
 
 def _compare_states(errors, module, replay, reference, slots, rows, row_slots, step) -> None:
     """materialize of every row (NaN-prefilled) against the reference's states."""
-    out = torch.full((slots.shape[0], *module.STATE_SHAPE), float("nan"), device=slots.device)
+    out = torch.full((slots.shape[0], *module.STATE_SHAPE), float("nan"), dtype=module.STATE_DTYPE, device=slots.device)
     mat = module.materialize(replay, slots, out=out)
     if rows:
         errors.record("materialize", relative_error(mat[rows], reference.to_layout(reference.states[row_slots])), step)
@@ -317,7 +328,7 @@ def check_speculative(
     for step in range(total):
         joining = plan.joining(step)
         if joining:
-            init = factory.states(len(joining), tuple(module.STATE_SHAPE))
+            init = factory.states(len(joining), tuple(module.STATE_SHAPE), module.STATE_DTYPE)
             index = torch.tensor(joining, dtype=torch.int32, device=device)
             module.load(replay, index, init)
             snapshots[joining, 0] = init
@@ -358,7 +369,7 @@ def check_speculative(
             errors.record("baseline_state", relative_error(committed, reference.to_layout(reference.states[active])), step)
     untouched = _untouched(replay, (("baseline snapshots", snapshots),), plan.unused)
     label = f"speculative T={tokens} accept={accept}{' mixed' if mixed else ''} {str(act_dtype).replace('torch.', '')} batch={batch}"
-    return CheckReport(label, total, TOLERANCE[act_dtype], state_tolerance(spec, act_dtype), dict(errors.worst), tuple(untouched))
+    return CheckReport(label, total, output_tolerance(shape, act_dtype), state_tolerance(spec, shape, act_dtype), dict(errors.worst), tuple(untouched))
 
 
 def check_speculative_through_flushes(

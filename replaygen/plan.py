@@ -16,6 +16,7 @@ from replaygen.spec.model import (
     DecayGranularity,
     DType,
     QueryScale,
+    Rounding,
     Spec,
     StateLayout,
     TargetShape,
@@ -283,7 +284,7 @@ def buffers(spec: Spec, shape: TargetShape) -> tuple[BufferField, ...]:
     """The replay state's ring buffers, one per cached field, in the spec's order."""
     channel = spec.decay.granularity is DecayGranularity.CHANNEL
     fields = []
-    for cached in spec.cache:
+    for cached in spec.cache_of(shape):
         f = cached.field
         if f in (CacheField.VALUE, CacheField.CORRECTED_VALUE):
             fields.append(BufferField(f, "buf_value", False, shape.value_dim, cached.dtype))
@@ -302,10 +303,11 @@ def state_identity(spec: Spec, shape: TargetShape) -> str:
     the same meaning give the same line (a module loaded twice, a vendored copy); any difference in what the
     buffers mean gives another, so a module refuses a state allocated by another (the activation dtype chosen at
     allocation is checked apart)."""
-    cache = " ".join(f"{c.field.value}:{c.dtype.value if c.dtype else 'activation'}" for c in spec.cache)
+    cache = " ".join(f"{c.field.value}:{c.dtype.value if c.dtype else 'activation'}" for c in spec.cache_of(shape))
+    rounding = " stochastic" if shape.rounding is Rounding.STOCHASTIC else ""
     return (
         f"{spec.name}/{shape.name}: heads={shape.heads} key_heads={shape.key_heads} value_dim={shape.value_dim} key_dim={shape.key_dim}"
-        f" L={shape.capacity} T={shape.window}; state {spec.state.dtype.value} {shape.layout.value}; cache {cache}"
+        f" L={shape.capacity} T={shape.window}; state {shape.state_dtype.value}{rounding} {shape.layout.value}; cache {cache}"
     )
 
 

@@ -47,13 +47,13 @@ class SlotMemory:
 
 
 def state_bytes(spec: Spec, shape: TargetShape) -> int:
-    return shape.heads * shape.value_dim * shape.key_dim * spec.state.dtype.itemsize
+    return shape.heads * shape.value_dim * shape.key_dim * shape.state_dtype.itemsize
 
 
 def entry_bytes(spec: Spec, shape: TargetShape, act: DType) -> int:
     """Bytes of one ring-buffer entry (all cached fields, all heads)."""
     total = 0
-    for cached in spec.cache:
+    for cached in spec.cache_of(shape):
         size = (cached.dtype or act).itemsize
         if cached.field in (CacheField.VALUE, CacheField.CORRECTED_VALUE):
             total += shape.heads * shape.value_dim * size

@@ -7,11 +7,11 @@ import torch
 
 from replaygen import plan
 from replaygen.configs import BucketConfig, KernelConfig, KernelKind
-from replaygen.harness import TOLERANCE, CheckReport, InputFactory, check_decode, relative_error, state_tolerance
+from replaygen.harness import TOLERANCE, CheckReport, InputFactory, check_decode, output_tolerance, relative_error, state_tolerance
 from replaygen.reference import Reference
 from replaygen.runtime import load_kernels
 from replaygen.spec import load_spec
-from replaygen.spec.model import CacheField, DType
+from replaygen.spec.model import CacheField, CachedField, DType
 
 from conftest import DEVICE, ODD, ROOT, SMALL
 
@@ -81,12 +81,17 @@ def test_harness_checks_states_at_their_own_tolerance(mamba2):
     1e-4. GDN caches its corrected values in the activation dtype, so its states get that dtype's tolerance; so does a
     derived field cached at 16 bits, or a 16-bit state."""
     gdn = load_spec(ROOT / "specs" / "gdn.yaml")
-    assert state_tolerance(mamba2, torch.bfloat16) == state_tolerance(mamba2, torch.float16) == TOLERANCE[torch.float32]
-    assert state_tolerance(gdn, torch.bfloat16) == TOLERANCE[torch.bfloat16] and state_tolerance(gdn, torch.float32) == TOLERANCE[torch.float32]
+    shape = mamba2.shape("nemotron-h")
+    assert state_tolerance(mamba2, shape, torch.bfloat16) == state_tolerance(mamba2, shape, torch.float16) == TOLERANCE[torch.float32]
+    qwen = gdn.shape("qwen3.5")
+    assert state_tolerance(gdn, qwen, torch.bfloat16) == TOLERANCE[torch.bfloat16] and state_tolerance(gdn, qwen, torch.float32) == TOLERANCE[torch.float32]
     half_weight = replace(mamba2, cache=tuple(replace(c, dtype=None) if c.field is CacheField.WEIGHT else c for c in mamba2.cache))
-    assert state_tolerance(half_weight, torch.float16) == TOLERANCE[torch.float16]
-    half_state = replace(mamba2, state=replace(mamba2.state, dtype=DType.BFLOAT16))
-    assert state_tolerance(half_state, torch.float32) == TOLERANCE[torch.bfloat16]
+    assert state_tolerance(half_weight, shape, torch.float16) == TOLERANCE[torch.float16]
+    own_half_weight = replace(shape, cache_dtypes=(CachedField(CacheField.WEIGHT, None),))
+    assert state_tolerance(mamba2, own_half_weight, torch.float16) == TOLERANCE[torch.float16]
+    half_state = replace(shape, state_dtype=DType.BFLOAT16)
+    assert state_tolerance(mamba2, half_state, torch.float32) == TOLERANCE[torch.bfloat16]
+    assert output_tolerance(half_state, torch.float32) == TOLERANCE[torch.bfloat16] and output_tolerance(shape, torch.float32) == TOLERANCE[torch.float32]
     report = CheckReport("drift", 1, TOLERANCE[torch.bfloat16], TOLERANCE[torch.float32], {"replay_decode": (1e-3, 0), "materialize": (1e-3, 0)}, ())
     failing = [line.split()[0] for line in report.lines()[1:] if line.endswith("FAIL")]
     assert not report.ok and failing == ["materialize"]

@@ -8,7 +8,7 @@ import pytest
 from replaygen.errors import SpecError
 from replaygen.spec.loader import API_PARAMETERS
 from replaygen.spec import load_spec, load_spec_text
-from replaygen.spec.model import CacheField, DecayForm, UpdateKind
+from replaygen.spec.model import CacheField, DecayForm, DType, Rounding, UpdateKind
 
 ROOT = Path(__file__).resolve().parent.parent
 MAMBA2 = (ROOT / "specs" / "mamba2.yaml").read_text()
@@ -122,13 +122,41 @@ def test_shape_capacity_too_small_for_window():
     rejects(text, "shapes.nemotron-h-l8.capacity", "L >= 2T=8")
 
 
-def test_unsupported_dtype_pair():
-    text = edit("state: {dtype: float32, layout: value_key}", "state: {dtype: bfloat16, layout: value_key}")
-    rejects(text, "activations[2]", "unsupported dtype pair")
+def test_state_dtype_and_rounding_per_spec_and_per_shape():
+    """The spec's state dtype and rounding are its shapes' defaults; a shape may set its own, and its own cached-field
+    dtypes. float32 activations with a 16-bit state, and a float16 state, are the user's choice."""
+    text = edit("state: {dtype: float32, layout: value_key}", "state: {dtype: bfloat16, layout: value_key, rounding: stochastic}")
+    text = edit(
+        "nemotron-h-l8:  {heads: 128, key_heads: 8, value_dim: 64, key_dim: 128, capacity: 8}",
+        "nemotron-h-l8:  {heads: 128, key_heads: 8, value_dim: 64, key_dim: 128, capacity: 8, state_dtype: float16, rounding: nearest,"
+        " cache: {key: float32, value: float32}}",
+        text,
+    )
+    tp2 = "nemotron-h-tp2: {heads: 64, key_heads: 4, value_dim: 64, key_dim: 128"
+    text = edit(tp2, tp2 + ", state_dtype: float32", text)
+    spec = load_spec_text(text, "ok.yaml")
+    main, l8, fp32 = spec.shape("nemotron-h"), spec.shape("nemotron-h-l8"), spec.shape("nemotron-h-tp2")
+    assert (main.state_dtype, main.rounding) == (DType.BFLOAT16, Rounding.STOCHASTIC) and spec.cache_of(main) == spec.cache
+    assert (l8.state_dtype, l8.rounding) == (DType.FLOAT16, Rounding.NEAREST)
+    assert {c.field: c.dtype for c in spec.cache_of(l8)} == {CacheField.VALUE: DType.FLOAT32, CacheField.KEY: DType.FLOAT32, CacheField.LOG_DECAY: DType.FLOAT32, CacheField.WEIGHT: DType.FLOAT32}
+    assert [c.field for c in spec.cache_of(l8)] == [c.field for c in spec.cache]
+    assert (fp32.state_dtype, fp32.rounding) == (DType.FLOAT32, Rounding.NEAREST)  # a float32 state has no rounding to inherit
 
 
-def test_float16_state_rejected():
-    rejects(edit("state: {dtype: float32,", "state: {dtype: float16,"), "state.dtype", "float16 state is not supported")
+def test_stochastic_rounding_needs_a_16_bit_state():
+    rejects(edit("state: {dtype: float32, layout: value_key}", "state: {dtype: float32, layout: value_key, rounding: stochastic}"), "state.rounding", "stochastic rounding is for a 16-bit state")
+    shape = "nemotron-h-l8:  {heads: 128, key_heads: 8, value_dim: 64, key_dim: 128, capacity: 8"
+    rejects(edit(shape, shape + ", rounding: stochastic"), "shapes.nemotron-h-l8.rounding", "stochastic rounding is for a 16-bit state")
+    rejects(edit(shape, shape + ", rounding: sometimes"), "shapes.nemotron-h-l8.rounding", "unknown value 'sometimes'")
+    rejects(edit(shape, shape + ", state_dtype: float64"), "shapes.nemotron-h-l8.state_dtype", "unknown value 'float64'")
+
+
+def test_shape_cache_sets_only_the_dtypes_of_the_spec_fields():
+    shape = "nemotron-h-l8:  {heads: 128, key_heads: 8, value_dim: 64, key_dim: 128, capacity: 8"
+    rejects(edit(shape, shape + ", cache: {corrected_value: float32}"), "shapes.nemotron-h-l8.cache.corrected_value", "is not in replay.cache")
+    rejects(edit(shape, shape + ", cache: {keys: float32}"), "shapes.nemotron-h-l8.cache.keys", "unknown cached field 'keys'")
+    rejects(edit(shape, shape + ", cache: {log_decay: activation}"), "shapes.nemotron-h-l8.cache.log_decay", "must be cached as float32")
+    rejects(edit(shape, shape + ", cache: [key]"), "shapes.nemotron-h-l8.cache", "expected a mapping of field -> dtype")
 
 
 def test_unknown_enum_value():

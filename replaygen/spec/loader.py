@@ -29,6 +29,7 @@ from replaygen.spec.model import (
     Inputs,
     QueryScale,
     Readout,
+    Rounding,
     Sharing,
     Spec,
     StateLayout,
@@ -202,9 +203,9 @@ class _SpecBuilder:
         query = self._vector(top.get("query"), allow_scale=True)
         readout = self._readout(top["readout"])
         state = self._state(top["state"])
-        activations = self._activations(top["activations"], state)
+        activations = self._activations(top["activations"])
         cache, capacity, window = self._replay(top["replay"], update, decay)
-        shapes = self._shapes(top["shapes"], inputs, capacity, window, state.layout)
+        shapes = self._shapes(top["shapes"], inputs, capacity, window, state, cache)
         return Spec(
             name=name,
             description=description,
@@ -320,14 +321,19 @@ class _SpecBuilder:
         return Readout(skip, gate)
 
     def _state(self, node: Node) -> StateSpec:
-        m = _Map(node, required={"dtype"}, optional={"layout"})
+        m = _Map(node, required={"dtype"}, optional={"layout", "rounding"})
         dtype = _enum(m["dtype"], DType)
-        if dtype is DType.FLOAT16:
-            raise m["dtype"].error("a float16 state is not supported (its range is too small for long decays); use float32 or bfloat16")
         layout = _enum(m["layout"], StateLayout) if m.get("layout") is not None else StateLayout.VALUE_KEY
-        return StateSpec(dtype, layout)
+        rounding = _enum(m["rounding"], Rounding) if m.get("rounding") is not None else Rounding.NEAREST
+        self._check_rounding(m.get("rounding") or m["dtype"], dtype, rounding)
+        return StateSpec(dtype, layout, rounding)
 
-    def _activations(self, node: Node, state: StateSpec) -> tuple[DType, ...]:
+    @staticmethod
+    def _check_rounding(node: Node, dtype: DType, rounding: Rounding) -> None:
+        if rounding is Rounding.STOCHASTIC and dtype is DType.FLOAT32:
+            raise node.error("stochastic rounding is for a 16-bit state (bfloat16 or float16); a float32 state is written as computed")
+
+    def _activations(self, node: Node) -> tuple[DType, ...]:
         if not isinstance(node.value, list) or not node.value:
             raise node.error("expected a non-empty list of dtypes")
         dtypes = []
@@ -335,37 +341,18 @@ class _SpecBuilder:
             dtype = _enum(item, DType)
             if dtype in dtypes:
                 raise item.error(f"dtype '{dtype.value}' listed twice")
-            if state.dtype is DType.BFLOAT16 and dtype is DType.FLOAT32:
-                raise item.error("unsupported dtype pair: float32 activations with a bfloat16 state (the state would be less precise than its inputs)")
             dtypes.append(dtype)
         return tuple(dtypes)
 
     def _replay(self, node: Node, update: Update, decay: Decay) -> tuple[tuple[CachedField, ...], int, int]:
         m = _Map(node, required={"cache", "capacity", "window"})
         cache_node = m["cache"]
-        if not isinstance(cache_node.value, dict):
-            raise cache_node.error(f"expected a mapping of field -> dtype, got {_kind(cache_node.value)}")
         needed = {CacheField.KEY, CacheField.LOG_DECAY}
         if update.kind is UpdateKind.ADDITIVE:
             needed |= {CacheField.VALUE, CacheField.WEIGHT}
         else:
             needed |= {CacheField.CORRECTED_VALUE}
-        fields = []
-        for key, value_node in cache_node.value.items():
-            try:
-                field = CacheField(key)
-            except ValueError:
-                raise cache_node.error(f"unknown cached field '{key}' (allowed: {', '.join(f.value for f in CacheField)})", key) from None
-            if field not in needed:
-                rule = update.kind.value
-                raise cache_node.error(f"field '{key}' is not replayed by the {rule} update; it needs exactly {_names(needed)}", key)
-            if value_node.value == ACTIVATION:
-                dtype = None
-            else:
-                dtype = _enum(value_node, DType)
-            if field in (CacheField.LOG_DECAY, CacheField.WEIGHT) and dtype is not DType.FLOAT32:
-                raise value_node.error(f"'{key}' enters an exponent or a product of many terms and must be cached as float32")
-            fields.append(CachedField(field, dtype))
+        fields = self._cached_fields(cache_node, needed, f"is not replayed by the {update.kind.value} update; it needs exactly {_names(needed)}")
         missing = needed - {f.field for f in fields}
         if missing:
             raise cache_node.error(f"the {update.kind.value} update needs cached fields {_names(missing)}")
@@ -373,6 +360,26 @@ class _SpecBuilder:
         window = _int(m["window"], 1, MAX_WINDOW)
         self._check_flush_rule(m["capacity"], capacity, window)
         return tuple(fields), capacity, window
+
+    @staticmethod
+    def _cached_fields(node: Node, allowed: set[CacheField], refusal: str) -> list[CachedField]:
+        """Each `field: dtype` of the mapping `node` (dtype `activation` or a DType); a field outside `allowed` is
+        refused with `refusal`."""
+        if not isinstance(node.value, dict):
+            raise node.error(f"expected a mapping of field -> dtype, got {_kind(node.value)}")
+        fields = []
+        for key, value_node in node.value.items():
+            try:
+                field = CacheField(key)
+            except ValueError:
+                raise node.error(f"unknown cached field '{key}' (allowed: {', '.join(f.value for f in CacheField)})", key) from None
+            if field not in allowed:
+                raise node.error(f"field '{key}' {refusal}", key)
+            dtype = None if value_node.value == ACTIVATION else _enum(value_node, DType)
+            if field in (CacheField.LOG_DECAY, CacheField.WEIGHT) and dtype is not DType.FLOAT32:
+                raise value_node.error(f"'{key}' enters an exponent or a product of many terms and must be cached as float32")
+            fields.append(CachedField(field, dtype))
+        return fields
 
     @staticmethod
     def _check_shape_ident(node: Node, shapes: list[TargetShape], shape: TargetShape) -> None:
@@ -393,14 +400,18 @@ class _SpecBuilder:
                 " or every verify step would flush"
             )
 
-    def _shapes(self, node: Node, inputs: Inputs, capacity: int, window: int, layout: StateLayout) -> tuple[TargetShape, ...]:
+    def _shapes(self, node: Node, inputs: Inputs, capacity: int, window: int, state: StateSpec, cache: tuple[CachedField, ...]) -> tuple[TargetShape, ...]:
         if not isinstance(node.value, dict) or not node.value:
             raise node.error("expected a non-empty mapping of shape name -> sizes")
         shapes = []
         for shape_name, shape_node in node.value.items():
             if not SHAPE_NAME.fullmatch(shape_name):
                 raise node.error(f"shape name {shape_name!r} must be lowercase letters, digits, '-' and '.'", shape_name)
-            m = _Map(shape_node, required={"heads", "value_dim", "key_dim"}, optional={"key_heads", "capacity", "window", "layout"})
+            m = _Map(
+                shape_node,
+                required={"heads", "value_dim", "key_dim"},
+                optional={"key_heads", "capacity", "window", "layout", "state_dtype", "rounding", "cache"},
+            )
             heads = _int(m["heads"], 1, 4096)
             key_heads = _int(m["key_heads"], 1, 4096) if m.get("key_heads") is not None else heads
             if inputs.key_sharing is Sharing.HEAD and key_heads != heads:
@@ -412,8 +423,20 @@ class _SpecBuilder:
             shape_capacity = _int(m["capacity"], 2, MAX_CAPACITY) if m.get("capacity") is not None else capacity
             shape_window = _int(m["window"], 1, MAX_WINDOW) if m.get("window") is not None else window
             self._check_flush_rule(m.get("capacity") or m.get("window") or shape_node, shape_capacity, shape_window)
-            shape_layout = _enum(m["layout"], StateLayout) if m.get("layout") is not None else layout
-            shape = TargetShape(shape_name, heads, key_heads, value_dim, key_dim, shape_capacity, shape_window, shape_layout)
+            shape_layout = _enum(m["layout"], StateLayout) if m.get("layout") is not None else state.layout
+            state_dtype = _enum(m["state_dtype"], DType) if m.get("state_dtype") is not None else state.dtype
+            if m.get("rounding") is not None:
+                rounding = _enum(m["rounding"], Rounding)
+            else:
+                rounding = Rounding.NEAREST if state_dtype is DType.FLOAT32 else state.rounding
+            self._check_rounding(m.get("rounding") or m.get("state_dtype") or shape_node, state_dtype, rounding)
+            own_cache = ()
+            if m.get("cache") is not None:
+                cached = {entry.field for entry in cache}
+                own_cache = tuple(self._cached_fields(m["cache"], cached, f"is not in replay.cache ({_names(cached)}); a shape sets only the dtypes of the spec's fields"))
+            shape = TargetShape(
+                shape_name, heads, key_heads, value_dim, key_dim, shape_capacity, shape_window, shape_layout, state_dtype, rounding, own_cache
+            )
             self._check_shape_ident(node, shapes, shape)
             shapes.append(shape)
         return tuple(shapes)

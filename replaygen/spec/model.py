@@ -69,6 +69,13 @@ class StateLayout(enum.Enum):
     KEY_VALUE = "key_value"  # state stored [key_dim, value_dim] per head (FLA, HF GDN)
 
 
+class Rounding(enum.Enum):
+    """How a 16-bit state is rounded where a kernel writes it."""
+
+    NEAREST = "nearest"  # round to nearest, ties to even (the hardware convert)
+    STOCHASTIC = "stochastic"  # up with probability (x - down) / (up - down): unbiased, so per-write errors cancel
+
+
 class GateActivation(enum.Enum):
     SILU = "silu"
 
@@ -145,8 +152,11 @@ class Readout:
 
 @dataclass(frozen=True)
 class StateSpec:
+    """The shapes' defaults for how a state is stored."""
+
     dtype: DType
-    layout: StateLayout  # the shapes' default
+    layout: StateLayout
+    rounding: Rounding = Rounding.NEAREST
 
 
 @dataclass(frozen=True)
@@ -165,6 +175,9 @@ class TargetShape:
     capacity: int  # L, ring-buffer entries per slot
     window: int  # T, speculative window
     layout: StateLayout = StateLayout.VALUE_KEY  # how a state is stored (the spec's state.layout unless the shape says)
+    state_dtype: DType = DType.FLOAT32  # the spec's state.dtype unless the shape says
+    rounding: Rounding = Rounding.NEAREST  # of a 16-bit state (the spec's state.rounding unless the shape says)
+    cache_dtypes: tuple[CachedField, ...] = ()  # the shape's own dtypes for some of the spec's cached fields
 
     @property
     def heads_per_key_head(self) -> int:
@@ -206,3 +219,8 @@ class Spec:
             if entry.field is field:
                 return entry
         return None
+
+    def cache_of(self, shape: TargetShape) -> tuple[CachedField, ...]:
+        """The cached fields of `shape`'s replay buffer, in the spec's order: the spec's dtypes, or the shape's own."""
+        own = {entry.field: entry for entry in shape.cache_dtypes}
+        return tuple(own.get(entry.field, entry) for entry in self.cache)
