@@ -473,7 +473,7 @@ class FlaWorkload:
 def check_fla(peer: FlaWorkload, module: ModuleType, spec: Spec, work: DecodeWorkload, tolerance: float) -> FlaCheck:
     """FLA vs our baseline decode on layer 0's step (outputs of every row, new states of the first rows)."""
     state = work.baseline[0].clone()
-    ours = module.baseline_decode(state, work.slots, **work.inputs[0], **work.weights)
+    ours = module.baseline_decode(state, work.slots, **work.inputs[0], **work.weights, **work.rounding[0])
     rows = slice(0, FLA_STATE_ROWS)
     try:
         out, final = peer.step(0)

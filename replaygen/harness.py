@@ -104,6 +104,13 @@ class InputFactory:
         return (0.5 * self._randn(n, *layout_shape)).to(self.device, dtype)
 
 
+def baseline_rounding(module: ModuleType, num_slots: int, device: str | torch.device, seed: int = 0) -> dict[str, object]:
+    """The keyword a module's baseline kernels take where its state rounds stochastically (`rounding`: the slots'
+    streams from `seed`), else nothing."""
+    allocate = getattr(module, "allocate_rounding", None)
+    return {"rounding": allocate(num_slots, device, seed)} if allocate else {}
+
+
 @dataclass
 class KernelErrors:
     """Worst relative error seen per kernel, and where."""
@@ -235,6 +242,7 @@ def check_decode(
     steps = cycles * period + max(plan.offsets)
     replay = module.allocate(plan.num_slots, device, act_dtype)
     baseline = module.allocate_baseline(plan.num_slots, device)
+    rounding = baseline_rounding(module, plan.num_slots, device, seed)
     reference = Reference(spec, shape, plan.num_slots)
     all_slots = list(range(plan.num_slots))
     for _, tensor in (*_slot_memory(replay), ("baseline state", baseline)):
@@ -255,7 +263,7 @@ def check_decode(
         sentinel = torch.full((batch, shape.heads, shape.value_dim), float("nan"), dtype=act_dtype, device=device)
         y_ref = reference.decode(row_slots, inputs, weights)
         y_rep = module.decode(replay, slots, **inputs, **weights, out=sentinel.clone(), route=route, flush_at=flush_at)
-        y_base = module.baseline_decode(baseline, slots, **inputs, **weights, out=sentinel.clone())
+        y_base = module.baseline_decode(baseline, slots, **inputs, **weights, out=sentinel.clone(), **rounding)
         for name, y in (("replay_decode", y_rep), ("baseline_decode", y_base)):
             _compare(errors, name, y, y_ref, rows, padded, step)
         _compare_states(errors, module, replay, reference, slots, rows, [row_slots[r] for r in rows], step)
@@ -318,6 +326,7 @@ def check_speculative(
     plan = Schedule(batch, max(2, shape.capacity // tokens), factory.gen)
     replay = module.allocate(plan.num_slots, device, act_dtype)
     snapshots, current = module.allocate_snapshots(plan.num_slots, device, tokens)
+    rounding = baseline_rounding(module, plan.num_slots, device, seed)
     reference = Reference(spec, shape, plan.num_slots)
     all_slots = list(range(plan.num_slots))
     for _, tensor in (*_slot_memory(replay), ("baseline snapshots", snapshots)):
@@ -349,7 +358,7 @@ def check_speculative(
             y_ref = reference.verify(row_slots, inputs, weights)
             _compare(errors, "replay_verify", module.verify(replay, slots, **inputs, **weights, out=sentinel.clone()), y_ref, rows, padded, step)
             if compare_baseline:
-                y_base = module.baseline_verify(snapshots, current, slots, **inputs, **weights, out=sentinel.clone())
+                y_base = module.baseline_verify(snapshots, current, slots, **inputs, **weights, out=sentinel.clone(), **rounding)
                 _compare(errors, "baseline_verify", y_base, y_ref, rows, padded, step)
             if accept == "all":
                 counts = [tokens] * batch

@@ -18,7 +18,7 @@ from types import ModuleType
 
 import torch
 
-from replaygen.harness import InputFactory
+from replaygen.harness import InputFactory, baseline_rounding
 from replaygen.spec.model import Spec, TargetShape
 from replaygen.traffic import state_bytes, verify_flush_period
 
@@ -158,6 +158,7 @@ class DecodeWorkload:
         self.slots = torch.arange(batch, dtype=torch.int32, device=device)
         self.replay = random_replay_states(module, self.layers, batch, act_dtype, device)
         self.baseline = [module.allocate_baseline(batch, device) for _ in range(self.layers)]
+        self.rounding = [baseline_rounding(module, batch, device, layer) for layer in range(self.layers)]
         for state in self.baseline:
             state.normal_(0, 0.5)
 
@@ -201,8 +202,8 @@ class DecodeWorkload:
     def time_baseline(self, steps: int, repeats: int = 30) -> Timing:
         def cycle() -> None:
             for _ in range(steps):
-                for state, inputs in zip(self.baseline, self.inputs):
-                    self.module.baseline_decode(state, self.slots, **inputs, **self.weights)
+                for state, inputs, rounding in zip(self.baseline, self.inputs, self.rounding):
+                    self.module.baseline_decode(state, self.slots, **inputs, **self.weights, **rounding)
 
         graph = capture(cycle)
         return time_callable(graph.replay, repeats=repeats, per_call=steps * self.layers)
@@ -245,6 +246,7 @@ class VerifyWorkload:
         self.slots = torch.arange(batch, dtype=torch.int32, device=device)
         self.replay = random_replay_states(module, self.layers, batch, act_dtype, device)
         self.snapshots = []
+        self.rounding = [baseline_rounding(module, batch, device, layer) for layer in range(self.layers)]
         if with_baseline:
             for _ in range(self.layers):
                 snapshots, current = module.allocate_snapshots(batch, device, tokens)
@@ -290,8 +292,8 @@ class VerifyWorkload:
 
         def cycle() -> None:
             for count in accepted:
-                for (snapshots, current), inputs in zip(self.snapshots, self.inputs):
-                    self.module.baseline_verify(snapshots, current, self.slots, **inputs, **self.weights)
+                for (snapshots, current), inputs, rounding in zip(self.snapshots, self.inputs, self.rounding):
+                    self.module.baseline_verify(snapshots, current, self.slots, **inputs, **self.weights, **rounding)
                     self.module.baseline_commit(current, self.slots, count, self.tokens)
 
         graph = capture(cycle)

@@ -384,7 +384,7 @@ def _calls(module: ModuleType, plan: ModulePlan, act_dtype: torch.dtype, kinds: 
     variants once."""
     import torch
 
-    from replaygen.harness import InputFactory
+    from replaygen.harness import InputFactory, baseline_rounding
 
     spec, shape, tables = plan.spec, plan.shape, plan.configs
     factory = InputFactory(spec, shape, DEVICE, act_dtype, seed=0)
@@ -392,6 +392,7 @@ def _calls(module: ModuleType, plan: ModulePlan, act_dtype: torch.dtype, kinds: 
     state = module.allocate(1, DEVICE, act_dtype)
     baseline = module.allocate_baseline(1, DEVICE)
     snapshots, current = module.allocate_snapshots(1, DEVICE)
+    rounding = baseline_rounding(module, 1, DEVICE)
     tokens = shape.window
     options = []  # calls that switch the optional paths, beside the plain one
     if plan.gate_optional:
@@ -412,13 +413,13 @@ def _calls(module: ModuleType, plan: ModulePlan, act_dtype: torch.dtype, kinds: 
         return torch.full((batch,), tokens, dtype=torch.int32)
 
     calls: dict[KernelKind, Callable[..., object]] = {
-        KernelKind.BASELINE_DECODE: lambda b, **kw: module.baseline_decode(baseline, slots(b), **step(b, **kw)),
+        KernelKind.BASELINE_DECODE: lambda b, **kw: module.baseline_decode(baseline, slots(b), **step(b, **kw), **rounding),
         KernelKind.REPLAY_DECODE: lambda b, route=None, **kw: module.decode(state, slots(b), **step(b, **kw), route=route),
         KernelKind.MATERIALIZE: lambda b: module.materialize(state, slots(b)),
         KernelKind.LOAD: lambda b: module.load(state, slots(b), torch.zeros((b, *module.STATE_SHAPE))),
         KernelKind.REPLAY_VERIFY: lambda b, **kw: module.verify(state, slots(b), **window(b, **kw)),
         KernelKind.COMMIT: lambda b: module.commit(state, slots(b), accepted(b)),
-        KernelKind.BASELINE_VERIFY: lambda b, **kw: (module.baseline_verify(snapshots, current, slots(b), **window(b, **kw)), module.baseline_commit(current, slots(b), accepted(b))),
+        KernelKind.BASELINE_VERIFY: lambda b, **kw: (module.baseline_verify(snapshots, current, slots(b), **window(b, **kw), **rounding), module.baseline_commit(current, slots(b), accepted(b))),
     }
     for kind in kinds:
         name, call = CALLS[kind], calls[kind]

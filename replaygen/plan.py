@@ -92,6 +92,20 @@ class ExclusivePair:
 
 
 @dataclass(frozen=True)
+class StochasticGrid:
+    """Where a 16-bit dtype's values lie, for rounding float32 onto them: `mantissa_bits` below the leading one, at
+    float32 exponent fields from `min_exponent` up (below it, the grid of that exponent: the dtype's subnormals)."""
+
+    mantissa_bits: int
+    min_exponent: int
+
+
+# float16: 10 mantissa bits, normal from 2^-14 (exponent field 113), subnormal steps of 2^-24 below. bfloat16: 7 bits,
+# float32's exponent range; its grid is taken as 2^-126 below 2^-119 (field 8) so that every step is a float32 normal.
+STOCHASTIC_GRIDS = {DType.FLOAT16: StochasticGrid(10, 113), DType.BFLOAT16: StochasticGrid(7, 8)}
+
+
+@dataclass(frozen=True)
 class ModulePlan:
     spec: Spec
     shape: TargetShape
@@ -119,6 +133,9 @@ class ModulePlan:
     optional_inputs: tuple[OptionalInput, ...]
     exclusive_pairs: tuple[ExclusivePair, ...]
     fold_leftovers_in_memory: bool  # flush-every-step decode: see leftovers_in_memory
+    # stochastic rounding of a 16-bit state: its mantissa bits and the lowest float32 exponent field rounded on the
+    # state dtype's own grid (None: every state store rounds to nearest)
+    stochastic_rounding: StochasticGrid | None
     # API
     roles: Roles
     step_inputs: tuple[TensorArg, ...]
@@ -183,6 +200,7 @@ def plan_module(
         optional_inputs=optional_inputs(spec, step_inputs),
         exclusive_pairs=exclusive_pairs(spec, step_inputs),
         fold_leftovers_in_memory=leftovers_in_memory(spec),
+        stochastic_rounding=STOCHASTIC_GRIDS[shape.state_dtype] if shape.rounding is Rounding.STOCHASTIC else None,
         roles=roles(spec),
         step_inputs=step_inputs,
         weights=weights,

@@ -9,11 +9,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from replaygen.harness import check_decode, check_speculative
+from replaygen.harness import InputFactory, check_decode, check_speculative
 from replaygen.plan import state_identity
 from replaygen.runtime import load_kernels
 from replaygen.spec import load_spec
-from replaygen.spec.model import CacheField, CachedField, DType
+from replaygen.spec.model import CacheField, CachedField, DType, Rounding
 from replaygen.traffic import entry_bytes, state_bytes
 
 from conftest import DEVICE, ROOT, SMALL
@@ -93,3 +93,132 @@ def test_bfloat16_state_every_kernel_on_the_gpu(spec_name):
     for route in ("output_only", "state_and_output"):
         assert_passes(check_decode(module, spec, shape, device="cuda", act_dtype=torch.bfloat16, route=route, cycles=3, seed=8))
     assert_passes(check_speculative(module, spec, shape, device="cuda", act_dtype=torch.bfloat16, steps=10, seed=9))
+
+
+# --- stochastic rounding ----------------------------------------------------------------------------------------
+
+GRID_STEP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}  # the spacing of the dtype's values in [1, 2)
+
+
+@pytest.fixture(scope="module", params=[DType.BFLOAT16, DType.FLOAT16], ids=["bf16", "fp16"])
+def stochastic(request):
+    spec = spec_named("mamba2")
+    shape = replace(SHAPE, state_dtype=request.param, rounding=Rounding.STOCHASTIC)
+    return spec, shape, load_kernels(spec, shape)
+
+
+def loaded(module, values, seed=0, slots=(0,)):
+    """The checkpoints `load` writes for float32 `values` [n, *STATE_SHAPE] into a fresh state seeded `seed`."""
+    state = module.allocate(max(slots) + 1, DEVICE, rounding_seed=seed)
+    module.load(state, torch.tensor(slots, dtype=torch.int32, device=DEVICE), values.to(DEVICE))
+    return state, state.checkpoint[list(slots)].float().cpu()
+
+
+def test_stochastic_rounding_is_unbiased_and_picks_a_neighbour(stochastic):
+    """Every value goes to one of its two neighbours on the dtype's grid, up with probability (x - down) / step: over
+    a state's elements the fraction rounded up is that probability and the mean error is near zero. Values on the
+    grid stay; negative values, float16 subnormals, inf and NaN are handled."""
+    _, _, module = stochastic
+    dtype = module.STATE_DTYPE
+    n = 1
+    for size in module.STATE_SHAPE:
+        n *= size
+    for base, step in ((1.0, GRID_STEP[dtype]), (-3.0, -2 * GRID_STEP[dtype]), (2.0**-20, 2.0**-24 if dtype is torch.float16 else 2.0**-27)):
+        for fraction in (0.3, 0.75):
+            x = base + fraction * step
+            _, out = loaded(module, torch.full((1, *module.STATE_SHAPE), x))
+            down, up = base, base + step
+            assert set(out.unique().tolist()) <= {down, up}, (x, out.unique())
+            share_up = float((out == up).float().mean())
+            bound = 4 * (fraction * (1 - fraction) / n) ** 0.5
+            assert abs(share_up - fraction) < bound, (x, share_up)
+            assert abs(float((out.double() - x).mean())) < bound * abs(step)
+    on_grid = torch.tensor([0.0, 1.0, -1.5, 2.0**-14, float("inf"), float("-inf")])
+    values = on_grid.repeat(n // len(on_grid) + 1)[:n].reshape(1, *module.STATE_SHAPE)
+    assert torch.equal(loaded(module, values)[1], values)
+    nan = torch.full((1, *module.STATE_SHAPE), float("nan"))
+    assert torch.isnan(loaded(module, nan)[1]).all()
+
+
+def test_stochastic_rounding_is_reproducible_and_fresh(stochastic):
+    """The same seed gives the same checkpoints; another seed, or another slot, other ones. load restarts a slot's
+    count; each state-writing launch advances the count of the rows it serves, and only theirs."""
+    _, _, module = stochastic
+    x = torch.full((2, *module.STATE_SHAPE), 1.0 + 0.5 * GRID_STEP[module.STATE_DTYPE])
+    state, first = loaded(module, x, seed=7, slots=(0, 1))
+    assert torch.equal(first, loaded(module, x, seed=7, slots=(0, 1))[1])
+    assert not torch.equal(first, loaded(module, x, seed=8, slots=(0, 1))[1])
+    assert not torch.equal(first[0], first[1])
+    assert state.rounding.steps.eq(1).all()
+    module.load(state, torch.tensor([1], dtype=torch.int32, device=DEVICE), x[:1].to(DEVICE))
+    assert torch.equal(state.checkpoint[1].float().cpu(), first[1]) and state.rounding.steps.eq(1).all()
+
+
+def test_every_state_writing_kernel_counts_its_rows(stochastic):
+    spec, shape, module = stochastic
+    factory = InputFactory(spec, shape, DEVICE, torch.bfloat16, 3)
+    weights = factory.weights()
+    slots = torch.tensor([2, -1, 0], dtype=torch.int32, device=DEVICE)
+    baseline = module.allocate_baseline(3, DEVICE)
+    rounding = module.allocate_rounding(3, DEVICE, seed=5)
+    module.baseline_decode(baseline, slots, **factory.step(3), **weights, rounding=rounding)
+    assert rounding.steps[[0, 2]].eq(1).all() and rounding.steps[1].eq(0).all()
+    snapshots, current = module.allocate_snapshots(3, DEVICE, 2)
+    module.baseline_verify(snapshots, current, slots, **factory.window(3, 2), **weights, rounding=rounding)
+    assert rounding.steps[[0, 2]].eq(3).all() and rounding.steps[1].eq(0).all()
+    replay = module.allocate(3, DEVICE, torch.bfloat16)
+    for _ in range(2):
+        module.decode(replay, slots, **factory.step(3), **weights)
+    module.verify(replay, slots, **factory.window(3, 2), **weights)
+    assert replay.rounding.steps[[0, 2]].eq(3).all() and replay.rounding.steps[1].eq(0).all()
+    before = replay.rounding.steps.clone()
+    first = module.materialize(replay, slots)
+    assert torch.equal(module.materialize(replay, slots), first) and torch.equal(replay.rounding.steps, before)
+
+
+def test_a_stochastic_baseline_needs_its_streams(stochastic):
+    spec, shape, module = stochastic
+    factory = InputFactory(spec, shape, DEVICE, torch.bfloat16, 3)
+    baseline = module.allocate_baseline(2, DEVICE)
+    slots = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(TypeError, match="pass rounding=allocate_rounding"):
+        module.baseline_decode(baseline, slots, **factory.step(2), **factory.weights())
+    with pytest.raises(ValueError, match="rounding has 3 slots"):
+        module.baseline_decode(baseline, slots, **factory.step(2), **factory.weights(), rounding=module.allocate_rounding(3, DEVICE))
+    for seed in (-1, 2**63, 1.5, True):
+        with pytest.raises(ValueError, match="rounding seed must be an int"):
+            module.allocate_rounding(2, DEVICE, seed)
+
+
+@pytest.mark.parametrize("spec_name", ["mamba2", "gdn"])
+def test_stochastic_state_every_kernel(spec_name):
+    spec = spec_named(spec_name)
+    shape = replace(SHAPE, state_dtype=DType.BFLOAT16, rounding=Rounding.STOCHASTIC)
+    module = load_kernels(spec, shape)
+    assert_passes(check_decode(module, spec, shape, device=DEVICE, act_dtype=torch.bfloat16, cycles=3, seed=10))
+    assert_passes(check_speculative(module, spec, shape, device=DEVICE, act_dtype=torch.bfloat16, steps=10, seed=11))
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replays_draw_fresh_bits():
+    """A captured baseline step replayed twice from the same state rounds differently (the counts live on the
+    device); restarting the counts repeats the first replay exactly."""
+    spec = spec_named("mamba2")
+    shape = replace(SHAPE, state_dtype=DType.BFLOAT16, rounding=Rounding.STOCHASTIC)
+    module = load_kernels(spec, shape)
+    factory = InputFactory(spec, shape, "cuda", torch.bfloat16, 12)
+    inputs, weights = factory.step(4), factory.weights()
+    slots = torch.arange(4, dtype=torch.int32, device="cuda")
+    start = factory.states(4, tuple(module.STATE_SHAPE), module.STATE_DTYPE)
+    state, rounding = start.clone(), module.allocate_rounding(4, "cuda", seed=3)
+    module.baseline_decode(state, slots, **inputs, **weights, rounding=rounding)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        module.baseline_decode(state, slots, **inputs, **weights, rounding=rounding)
+    results = []
+    for steps in (0, 1, 0):
+        state.copy_(start)
+        rounding.steps.fill_(steps)
+        graph.replay()
+        results.append(state.clone())
+    assert torch.equal(results[0], results[2]) and not torch.equal(results[0], results[1])
