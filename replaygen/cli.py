@@ -16,6 +16,7 @@ from replaygen import __version__
 from replaygen.configs import BATCH_BUCKETS, DEFAULT_FLUSH_GROUPS, KernelKind
 from replaygen.errors import ReplaygenError
 from replaygen.offline import ARCHITECTURES
+from replaygen.precision import VARIANT_NAMES
 from replaygen.tune.space import TUNABLE_KINDS as TUNABLE
 
 if TYPE_CHECKING:
@@ -167,6 +168,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", default=None, help="time decode with the configs `build --gpu GPU` bakes from TUNE_DIR (default: defaults)")
     p.add_argument("--tune-dir", default=None, type=Path, help="tuning records folder for --gpu (default: tune/ beside the spec's specs/ folder)")
 
+    p = sub.add_parser("drift", help="how far each precision choice's state drifts from the exact recurrence", description=(
+        "Per precision choice (state dtype, rounding, float32 buffers), run replay and baseline decode of one shape from "
+        "the same random states over many steps of the same random inputs, beside the float64 recurrence, and report "
+        "the state's relative error and the worst output row-head at given step counts. Runs on the GPU when there is "
+        "one, else under Triton's interpreter at reduced sizes (as check does; its float32 -> bfloat16 convert "
+        "truncates, so bfloat16 round-to-nearest is then not what the GPU does)."))
+    _add_spec(p)
+    p.add_argument("--variants", default=",".join(VARIANT_NAMES), help=f"comma-separated precision choices (default: all of {','.join(VARIANT_NAMES)})")
+    p.add_argument("--steps", default="1000,10000", help="comma-separated step counts to report at; the last is the run's length (default: 1000,10000)")
+    p.add_argument("--batch", type=int, default=32, help="sequences (default: 32)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help=DTYPE_HELP)
+    p.add_argument("--seed", type=int, default=0, help="inputs' and rounding's seed (default: 0)")
+
     p = sub.add_parser("plot", help="PNG plots from a saved bench JSON", description="Plot speedup vs batch, time vs L, verify cost vs T and bandwidth fraction from a `bench --out` JSON (needs matplotlib).")
     p.add_argument("json", type=Path, help="bench_<spec>_<shapes>.json written by bench --out")
     p.add_argument("--out", type=Path, default=None, help="folder for the PNGs (default: the JSON's folder)")
@@ -254,16 +268,11 @@ def cmd_check(args: argparse.Namespace) -> int:
         raise ReplaygenError("check --bucket selects bucket positions of the tables `build --gpu GPU` bakes: pass --gpu")
     if args.gpu and not has_gpu:
         raise ReplaygenError(f"check --gpu {args.gpu} needs a CUDA GPU (none found): tuned configs run at the full shapes, on the GPU they were tuned for")
-    if not has_gpu:
-        os.environ["TRITON_INTERPRET"] = "1"
+    device = _kernel_device(has_gpu)
     from replaygen.build import select_shapes
-    from replaygen.runtime import require_interpreter_support
     from replaygen.spec import load_spec
 
-    if not has_gpu:
-        require_interpreter_support()
     spec = load_spec(args.spec)
-    device = "cuda" if has_gpu else "cpu"
     dtype = getattr(torch, DTYPES[_activation_dtype(spec, args.dtype, "bf16" if has_gpu else "fp32")])
     groups = _check_groups(select_shapes(spec, args.shape), reduce=not has_gpu and not args.full)
     started = time.monotonic()
@@ -321,6 +330,17 @@ def _activation_dtype(spec: Spec, requested: str | None, usual: str) -> str:
         listed = ", ".join(act.value for act in spec.activations)
         raise ReplaygenError(f"--dtype {requested} ({DTYPES[requested]}): {spec.source_file} supports activations {listed} only")
     return requested
+
+
+def _kernel_device(has_gpu: bool) -> str:
+    """Where the kernels run: "cuda", or "cpu" under Triton's interpreter (switched on here, before triton loads)."""
+    if has_gpu:
+        return "cuda"
+    os.environ["TRITON_INTERPRET"] = "1"
+    from replaygen.runtime import require_interpreter_support
+
+    require_interpreter_support()
+    return "cpu"
 
 
 def _check_groups(shapes, reduce: bool) -> dict:
@@ -624,7 +644,40 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"bench": cmd_bench, "build": cmd_build, "check": cmd_check, "compile": cmd_compile, "show": cmd_show, "list": cmd_list, "plot": cmd_plot, "tune": cmd_tune}
+def cmd_drift(args: argparse.Namespace) -> int:
+    import torch
+
+    from replaygen.build import select_shapes
+    from replaygen.drift import measure_drift
+    from replaygen.precision import precision_variant
+    from replaygen.runtime import load_kernels
+    from replaygen.spec import load_spec
+
+    spec = load_spec(args.spec)
+    act = getattr(torch, DTYPES[_activation_dtype(spec, args.dtype, "bf16")])
+    report_at = tuple(_int_list("--steps", args.steps))
+    if args.batch < 1:
+        raise ReplaygenError(f"--batch must be at least 1, got {args.batch}")
+    device = _kernel_device(torch.cuda.is_available())
+    names = [name for name in args.variants.split(",") if name]
+    for spec_shape in select_shapes(spec, args.shape):
+        shape = spec_shape if device == "cuda" else _reduced(spec_shape)
+        variants = []
+        for name in names:
+            try:
+                variants.append((name, precision_variant(spec, shape, name)))
+            except ValueError as err:
+                raise ReplaygenError(f"--variants: {err}") from None
+        print(f"{spec.name}/{shape.name} ({_describe(shape)}): batch {args.batch}, {act}, {device}; relative errors against the float64 recurrence")
+        print(f"  {'variant':<22} {'steps':>7} {'state replay':>13} {'state baseline':>15} {'output replay':>14} {'output baseline':>16}")
+        for name, variant in variants:
+            module = load_kernels(spec, variant)
+            for p in measure_drift(module, spec, variant, steps=max(report_at), report_at=report_at, batch=args.batch, device=device, act_dtype=act, seed=args.seed):
+                print(f"  {name:<22} {p.steps:>7} {p.replay_state:>13.2e} {p.baseline_state:>15.2e} {p.replay_output:>14.2e} {p.baseline_output:>16.2e}", flush=True)
+    return 0
+
+
+COMMANDS = {"bench": cmd_bench, "build": cmd_build, "check": cmd_check, "compile": cmd_compile, "drift": cmd_drift, "show": cmd_show, "list": cmd_list, "plot": cmd_plot, "tune": cmd_tune}
 
 if __name__ == "__main__":
     sys.exit(main())

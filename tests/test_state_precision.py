@@ -9,8 +9,10 @@ from dataclasses import replace
 import pytest
 import torch
 
+from replaygen.drift import measure_drift
 from replaygen.harness import InputFactory, check_decode, check_speculative
 from replaygen.plan import state_identity
+from replaygen.precision import precision_variant
 from replaygen.runtime import load_kernels
 from replaygen.spec import load_spec
 from replaygen.spec.model import CacheField, CachedField, DType, Rounding
@@ -222,3 +224,43 @@ def test_cuda_graph_replays_draw_fresh_bits():
         graph.replay()
         results.append(state.clone())
     assert torch.equal(results[0], results[2]) and not torch.equal(results[0], results[1])
+
+
+# --- replaygen drift ---------------------------------------------------------------------------------------------
+
+
+def test_precision_variants():
+    spec = spec_named("gdn")
+    shape = spec.shape("qwen3.5")
+    stochastic = precision_variant(spec, shape, "bfloat16-stochastic")
+    assert (stochastic.state_dtype, stochastic.rounding, stochastic.name) == (DType.BFLOAT16, Rounding.STOCHASTIC, "qwen3.5-bfloat16-stochastic")
+    assert precision_variant(spec, shape, "float16").rounding is Rounding.NEAREST
+    wide = precision_variant(spec, shape, "float32-buffers")
+    assert {c.field: c.dtype for c in spec.cache_of(wide)} == {CacheField.CORRECTED_VALUE: DType.FLOAT32, CacheField.KEY: DType.FLOAT32, CacheField.LOG_DECAY: DType.FLOAT32}
+    with pytest.raises(ValueError, match="unknown precision variant 'float8'"):
+        precision_variant(spec, shape, "float8")
+
+
+def test_drift_replay_rounds_less_often_than_the_baseline():
+    """A float16 state rounded to nearest: replay (one state write per flush) stays closer to the exact recurrence than
+    the baseline that writes it every step; float32 buffers make GDN's replay state as exact as its float32 baseline."""
+    spec = spec_named("mamba2")
+    shape = precision_variant(spec, SHAPE, "float16")
+    (point,) = measure_drift(load_kernels(spec, shape), spec, shape, steps=24, report_at=(24,), batch=2, device=DEVICE, act_dtype=torch.bfloat16)
+    assert point.steps == 24 and 0 < point.replay_state < point.baseline_state < 3e-3
+    gdn = spec_named("gdn")
+    wide = precision_variant(gdn, SHAPE, "float32-buffers")
+    (point,) = measure_drift(load_kernels(gdn, wide), gdn, wide, steps=8, report_at=(8,), batch=2, device=DEVICE, act_dtype=torch.bfloat16)
+    assert point.replay_state < 1e-5 and point.baseline_state < 1e-5
+
+
+def test_drift_command(capsys):
+    from replaygen.cli import main
+
+    spec = str(ROOT / "specs" / "mamba2.yaml")
+    assert main(["drift", spec, "--shape", "nemotron-h-tp8", "--steps", "2,3", "--batch", "1", "--variants", "float32,bfloat16-stochastic"]) == 0
+    out = capsys.readouterr().out
+    assert "mamba2/nemotron-h-tp8 (heads=2 key_heads=1 value_dim=16 key_dim=32" in out
+    assert len([line for line in out.splitlines() if line.split()[:1] in (["float32"], ["bfloat16-stochastic"])]) == 4
+    assert main(["drift", spec, "--variants", "float8"]) == 2 and "unknown precision variant 'float8'" in capsys.readouterr().err
+    assert main(["drift", spec, "--steps", "0"]) == 2

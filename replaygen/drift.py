@@ -1,0 +1,79 @@
+"""How far a shape's stored state drifts from the exact recurrence over many decode steps, per precision choice.
+
+Replay decode writes the state only when it flushes (every L steps or so), the baseline after every token: at the same
+state dtype and rounding, replay rounds the state L times less often. `measure_drift` runs both on the same inputs
+beside the float64 reference and reports their errors at given step counts (the precision choices to compare:
+replaygen.precision).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from replaygen.harness import InputFactory, baseline_rounding, relative_error
+from replaygen.reference import Reference
+from replaygen.spec.model import Spec, TargetShape
+
+
+
+@dataclass(frozen=True)
+class DriftPoint:
+    """Errors after `steps` decode steps: states (relative, all rows) and the worst output row-head (relative) seen
+    in the steps since the previous point."""
+
+    steps: int
+    replay_state: float
+    baseline_state: float
+    replay_output: float
+    baseline_output: float
+
+
+def measure_drift(
+    module: ModuleType,
+    spec: Spec,
+    shape: TargetShape,
+    *,
+    steps: int,
+    report_at: tuple[int, ...],
+    batch: int,
+    device: str | torch.device,
+    act_dtype: torch.dtype,
+    seed: int = 0,
+) -> list[DriftPoint]:
+    """Replay and baseline decode of `module` from the same random states over `steps` steps of the same random
+    inputs (no gate), against the float64 recurrence on those inputs; a DriftPoint at each step count in `report_at`."""
+    factory = InputFactory(spec, shape, device, act_dtype, seed)
+    weights = factory.weights()
+    slots = torch.arange(batch, dtype=torch.int32, device=device)
+    rows = list(range(batch))
+    replay = module.allocate(batch, device, act_dtype)
+    baseline = module.allocate_baseline(batch, device)
+    rounding = baseline_rounding(module, batch, device, seed)
+    reference = Reference(spec, shape, batch)
+    start = factory.states(batch, tuple(module.STATE_SHAPE), module.STATE_DTYPE)
+    module.load(replay, slots, start)
+    baseline.copy_(start)
+    reference.load(rows, start.cpu())
+    points, worst_replay, worst_baseline = [], 0.0, 0.0
+    for step in range(1, steps + 1):
+        inputs = factory.step(batch, use_gate=False)
+        y_ref = reference.decode(rows, inputs, weights)
+        y_rep = module.decode(replay, slots, **inputs, **weights)
+        y_base = module.baseline_decode(baseline, slots, **inputs, **weights, **rounding)
+        worst_replay = max(worst_replay, _worst_row_head(y_rep, y_ref))
+        worst_baseline = max(worst_baseline, _worst_row_head(y_base, y_ref))
+        if step in report_at:
+            exact = reference.to_layout(reference.states)
+            points.append(DriftPoint(step, relative_error(module.materialize(replay, slots), exact), relative_error(baseline, exact), worst_replay, worst_baseline))
+            worst_replay = worst_baseline = 0.0
+    return points
+
+
+def _worst_row_head(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """The largest relative error of one (row, head) output vector [V] of `out` [batch, H, V] against `ref`."""
+    out = out.detach().to("cpu", torch.float64)
+    ref = ref.to(torch.float64)
+    return float(((out - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)).max())
