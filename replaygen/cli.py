@@ -345,17 +345,21 @@ def _kernel_device(has_gpu: bool) -> str:
 
 def _check_groups(shapes, reduce: bool) -> dict:
     """The shapes `check` runs, each once: the shape itself, or with `reduce` (the interpreter) its reduced sizes,
-    with the spec's shapes that reduce to it (a model's tensor-parallel splits often reduce to the same sizes)."""
+    with the spec's shapes that reduce to it (a model's tensor-parallel splits often reduce to the same sizes; a
+    shape of another layout, state dtype, rounding or cache dtypes runs apart)."""
     groups: dict = {}
     for shape in shapes:
         run_shape = _reduced(shape) if reduce else shape
-        key = next((known for known in groups if _sizes(known) == _sizes(run_shape)), run_shape)
+        key = next((known for known in groups if _unnamed(known) == _unnamed(run_shape)), run_shape)
         groups.setdefault(key, []).append(shape)
     return groups
 
 
-def _sizes(shape) -> tuple[int, ...]:
-    return (shape.heads, shape.key_heads, shape.value_dim, shape.key_dim, shape.capacity, shape.window)
+def _unnamed(shape):
+    """Everything a shape says but its name."""
+    from dataclasses import replace
+
+    return replace(shape, name="")
 
 
 def _check_variants(spec, shape, args: argparse.Namespace) -> list[tuple[str, dict | None]]:

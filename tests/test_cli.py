@@ -220,3 +220,21 @@ def test_a_gpu_without_records_names_those_with_them(capsys, tmp_path):
     assert f"no spec files (*.yaml) in {tmp_path}: pass --specs-dir" in capsys.readouterr().err
     assert main(["show", "nosuchspec"]) == 2
     assert "no spec file 'nosuchspec' (not a file here, nor a shipped spec: gdn, kda, mamba2)" in capsys.readouterr().err
+
+
+def test_check_runs_each_distinct_reduced_shape_once():
+    """Tensor-parallel splits that reduce to the same sizes run once; a shape of another layout or state dtype runs
+    apart."""
+    from dataclasses import replace
+
+    from replaygen.cli import _check_groups
+    from replaygen.spec import load_spec
+    from replaygen.spec.model import DType
+
+    spec = load_spec(ROOT / "specs" / "kda.yaml")
+    groups = _check_groups(spec.shapes, reduce=True)
+    layouts = {run.layout for run in groups}
+    assert len(layouts) == 2 and all(len({shape.layout for shape in shapes}) == 1 for shapes in groups.values())
+    assert sum(len(shapes) for shapes in groups.values()) == len(spec.shapes) and len(groups) < len(spec.shapes)
+    half = replace(spec.shapes[0], name="half", state_dtype=DType.BFLOAT16)
+    assert len(_check_groups((spec.shapes[0], half), reduce=True)) == 2
