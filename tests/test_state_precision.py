@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from replaygen.configs import BucketConfig, KernelConfig, KernelKind
 from replaygen.drift import measure_drift
 from replaygen.harness import InputFactory, check_decode, check_speculative
 from replaygen.plan import state_identity
@@ -264,3 +265,18 @@ def test_drift_command(capsys):
     assert len([line for line in out.splitlines() if line.split()[:1] in (["float32"], ["bfloat16-stochastic"])]) == 4
     assert main(["drift", spec, "--variants", "float8"]) == 2 and "unknown precision variant 'float8'" in capsys.readouterr().err
     assert main(["drift", spec, "--steps", "0"]) == 2
+
+
+@pytest.mark.parametrize("decode,verify", [
+    pytest.param(KernelConfig(block_v=16, num_warps=2, precompute_scores=True, fused_flush=False), KernelConfig(block_v=16, num_warps=2), id="flush-launch-multi-warp"),
+    pytest.param(KernelConfig(block_v=8, precompute_scores=True, overlap_scores=True, align_flushes=True, flush_groups=2), KernelConfig(block_v=8, precompute_scores=True, window_block_v=8), id="aligned-split-verify"),
+])
+def test_stochastic_state_through_every_flush_path(decode, verify):
+    """The flush launch, flush-every-step decode (leftover entries folded, then the step stored: two stores of one
+    program), several warps per program, aligned flushes and the split verify, on a stochastically rounded state."""
+    spec = spec_named("mamba2")
+    shape = replace(SHAPE, value_dim=16, state_dtype=DType.BFLOAT16, rounding=Rounding.STOCHASTIC)
+    module = load_kernels(spec, shape, {KernelKind.REPLAY_DECODE: (BucketConfig(None, decode),), KernelKind.REPLAY_VERIFY: (BucketConfig(None, verify),)})
+    for flush_at in (None, 1, 3):
+        assert_passes(check_decode(module, spec, shape, device=DEVICE, act_dtype=torch.bfloat16, flush_at=flush_at, cycles=2, seed=13))
+    assert_passes(check_speculative(module, spec, shape, device=DEVICE, act_dtype=torch.bfloat16, steps=8, mixed=True, seed=14))
