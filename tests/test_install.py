@@ -7,6 +7,8 @@ import shutil
 import subprocess
 import sys
 
+from replaygen.spec import load_spec
+
 from conftest import ROOT
 
 
@@ -37,7 +39,7 @@ def test_plain_install_from_a_copy_runs_from_another_folder(tmp_path):
     built = run([replaygen, "build", "gdn", "--shape", "qwen3.5", "--gpu", "H200", "--out", "kernels"], elsewhere, env)
     assert "replay_decode: tuned (b1 " in built and (elsewhere / "kernels" / "h200" / "gdn_qwen3_5.py").is_file()
     run([replaygen, "build", str(copy / "specs" / "gdn.yaml"), "--allow-default", "--out", "all"], elsewhere, env)
-    assert len(list((elsewhere / "all" / "h200").glob("gdn_*.py"))) == 15
+    assert len(list((elsewhere / "all" / "h200").glob("gdn_*.py"))) == len(load_spec(ROOT / "specs" / "gdn.yaml").shapes)
 
     run([replaygen, "build", str(copy / "examples" / "tiny.yaml"), "--gpu", "cpu", "--allow-default", "--out", "kernels"], elsewhere, env)
     tried = run([python, str(copy / "examples" / "try_on_cpu.py")], elsewhere, env)

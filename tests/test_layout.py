@@ -18,14 +18,14 @@ PACKAGE = ROOT / "replaygen"
 # The layers, lowest first: a module may import from its own layer and the ones before it only.
 LAYERS = (
     {"errors", "spec", "spec.model", "spec.nodes", "spec.loader", "files", "paths"},
-    {"configs"},
+    {"configs", "precision"},
     {"plan"},
     {"codegen"},
     {"keys"},
     {"reference", "traffic", "runtime", "harness", "measure"},
     {"tune.records"},
     {"tune.space", "offline", "tune.objective", "tune.warm", "tune.study", "tune.report", "tune.apply", "tune.run", "tune"},
-    {"bench", "plots", "build"},
+    {"bench", "plots", "build", "drift"},
     {"cli", "__main__"},
 )
 
