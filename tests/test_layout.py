@@ -25,7 +25,7 @@ LAYERS = (
     {"reference", "traffic", "runtime", "harness", "measure"},
     {"tune.records"},
     {"tune.space", "offline", "tune.objective", "tune.warm", "tune.study", "tune.report", "tune.apply", "tune.run", "tune"},
-    {"bench", "plots", "build", "drift"},
+    {"bench", "plots", "build", "drift", "integrations.transformers"},
     {"cli", "__main__"},
 )
 

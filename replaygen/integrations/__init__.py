@@ -1,0 +1,1 @@
+"""Serving frameworks' models decoding through generated modules."""

@@ -1,0 +1,487 @@
+"""Hugging Face transformers models whose recurrent layers decode through generated replay modules.
+
+    runtime = attach(model, capacity=16, window=4)      # one generated module per recurrent layer shape
+    tokens = runtime.generate(input_ids, 32)            # greedy decoding through the replay kernels
+    tokens = runtime.generate(input_ids, 32, draft_tokens=3)   # prompt-lookup speculation, windows of 4
+
+The prompt runs through HF's own path (its chunked scan) into an HF cache; each recurrent layer's final state then
+seeds its replay state (`load`) and its last conv inputs seed its `ConvWindow`. Every later token keeps HF's
+projections, gates, norms and output projections; the short causal conv1d runs in `ConvWindow` and the recurrence in
+the generated module: `decode` per token, or `verify` of a window and `commit` of its accepted prefix. A rejected
+draft costs nothing to undo: the replay state's cursor and the conv window keep only the accepted tokens, and the
+attention layers' KV cache (HF's) is cropped by the rejected ones.
+
+HF's Mamba-2 mixers (mamba2, nemotron_h, bamba, falcon_h1, granitemoehybrid, zamba2) call two functions of their
+modeling module, `causal_conv1d_forward` and `mamba2_scan_forward` (HF's points for a runtime that keeps the state
+itself): while a runtime decodes, those are its own. HF's Gated DeltaNet mixers (qwen3_next, qwen3_5) have no such
+point for the recurrence, so their decode forward is the runtime's (`GatedDeltaNetMixers`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import inspect
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from types import MethodType, ModuleType
+
+import torch
+import torch.nn.functional as F
+import yaml
+
+from replaygen.errors import ReplaygenError
+from replaygen.paths import spec_file
+from replaygen.runtime import load_kernels
+from replaygen.spec import load_spec_text
+from replaygen.spec.model import Spec, TargetShape
+
+
+class Mode(enum.Enum):
+    PREFILL = "prefill"  # HF's own path, into its cache
+    DECODE = "decode"  # one token per sequence: `decode`
+    VERIFY = "verify"  # a window of tokens per sequence: `verify`, then `commit`
+
+
+class ConvWindow:
+    """The short causal depthwise conv1d of one layer for `batch` sequences, with its inputs kept for rollback.
+
+    `history` [batch, channels, W - 1] holds the last committed pre-conv inputs; `step` convolves new inputs
+    [batch, channels, s] behind it without changing it; `commit(n)` keeps the first n of them. A window whose
+    tokens are rejected leaves the history as if it never ran."""
+
+    def __init__(self, conv1d: torch.nn.Conv1d, activation: str | None, history: torch.Tensor):
+        self.weight = conv1d.weight  # [channels, 1, W]
+        self.bias = conv1d.bias
+        self.activation = activation
+        self.history = history.contiguous()
+        self.pending: torch.Tensor | None = None
+
+    def step(self, x: torch.Tensor) -> torch.Tensor:
+        """Conv outputs [batch, channels, s] of inputs x [batch, channels, s] after the history; x is pending."""
+        full = torch.cat([self.history, x], dim=-1).to(self.weight.dtype)
+        out = F.conv1d(full, self.weight, self.bias, groups=self.weight.shape[0])
+        if self.activation is not None:
+            out = _activation(self.activation)(out)
+        self.pending = x
+        return out.to(x.dtype)
+
+    def commit(self, accepted: int) -> None:
+        """Keep the first `accepted` pending inputs of the last `step`."""
+        if self.pending is None:
+            raise ReplaygenError("ConvWindow.commit without a step before it")
+        width = self.history.shape[-1]
+        self.history = torch.cat([self.history, self.pending[..., :accepted]], dim=-1)[..., -width:].contiguous()
+        self.pending = None
+
+
+def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]
+
+
+@dataclass(frozen=True)
+class RecurrentLayer:
+    """One recurrent mixer of a model and the generated module of its shape."""
+
+    index: int  # the mixer's layer_idx (its place in HF's cache)
+    mixer: torch.nn.Module
+    family: "Mamba2Mixers | GatedDeltaNetMixers"
+    module: ModuleType
+
+
+@dataclass(frozen=True)
+class Mamba2Mixers:
+    """HF's Mamba-2 mixers, onto the mamba2 spec: x [b, H, P], B and C [b, G, N], dt [b, H]; A_log, dt_bias, D."""
+
+    spec_name: str = "mamba2"
+
+    def accepts(self, mixer: torch.nn.Module) -> bool:
+        modeling = sys.modules.get(type(mixer).__module__)
+        return (
+            all(hasattr(modeling, name) for name in ("mamba2_scan_forward", "causal_conv1d_forward"))
+            and all(hasattr(mixer, name) for name in ("A_log", "dt_bias", "D", "conv1d", "n_groups", "head_dim", "num_heads", "ssm_state_size"))
+        )
+
+    def shape_entry(self, mixer: torch.nn.Module) -> dict:
+        return {"heads": mixer.num_heads, "key_heads": mixer.n_groups, "value_dim": mixer.head_dim, "key_dim": mixer.ssm_state_size}
+
+    def conv_activation(self, mixer: torch.nn.Module) -> str | None:
+        return mixer.activation
+
+    @contextlib.contextmanager
+    def decoding(self, runtime: "ReplayRuntime", layers: tuple[RecurrentLayer, ...]) -> Iterator[None]:
+        """The mixers' modeling modules' conv and scan functions replaced by the runtime's while it decodes."""
+        by_module = {}
+        for layer in layers:
+            by_module.setdefault(sys.modules[type(layer.mixer).__module__], {})[id(layer.mixer)] = layer
+        saved = []
+        try:
+            for modeling, mine in by_module.items():
+                conv, scan = modeling.causal_conv1d_forward, modeling.mamba2_scan_forward
+                saved.append((modeling, conv, scan))
+                convs = {id(layer.mixer.conv1d): layer for layer in mine.values()}
+                modeling.causal_conv1d_forward = _intercept_conv(runtime, convs, conv)
+                modeling.mamba2_scan_forward = _intercept_scan(runtime, mine, scan)
+            yield
+        finally:
+            for modeling, conv, scan in saved:
+                modeling.causal_conv1d_forward, modeling.mamba2_scan_forward = conv, scan
+
+    def recurrence(self, runtime: "ReplayRuntime", layer: RecurrentLayer, hidden_states, B, C, dt) -> torch.Tensor:
+        """The scan of HF's mamba2_scan_forward: hidden_states [b, s, H*P], B and C [b, s, G*N], dt [b, s, H] ->
+        [b, s, H*P], the D skip included."""
+        mixer = layer.mixer
+        batch, tokens, _ = hidden_states.shape
+        shaped = {
+            "x": hidden_states.reshape(batch, tokens, mixer.num_heads, mixer.head_dim),
+            "B": B.reshape(batch, tokens, mixer.n_groups, mixer.ssm_state_size),
+            "C": C.reshape(batch, tokens, mixer.n_groups, mixer.ssm_state_size),
+            "dt": dt.reshape(batch, tokens, mixer.num_heads),
+        }
+        weights = {"A_log": mixer.A_log, "dt_bias": mixer.dt_bias, "D": mixer.D}
+        return runtime.run_recurrence(layer, shaped, weights).reshape(batch, tokens, -1)
+
+
+def _intercept_conv(runtime: "ReplayRuntime", convs: dict, original: Callable) -> Callable:
+    def causal_conv1d_forward(conv1d, hidden_states, cache, layer_idx, activation=None, **kwargs):
+        layer = convs.get(id(conv1d))
+        if layer is None:
+            return original(conv1d, hidden_states, cache, layer_idx, activation=activation, **kwargs)
+        return runtime.run_conv(layer, hidden_states)
+
+    return causal_conv1d_forward
+
+
+def _intercept_scan(runtime: "ReplayRuntime", mixers: dict, original: Callable) -> Callable:
+    def mamba2_scan_forward(module, hidden_states, B, C, dt, cache, **kwargs):
+        layer = mixers.get(id(module))
+        if layer is None:
+            return original(module, hidden_states, B, C, dt, cache, **kwargs)
+        return layer.family.recurrence(runtime, layer, hidden_states, B, C, dt)
+
+    return mamba2_scan_forward
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetMixers:
+    """HF's Gated DeltaNet mixers, onto the gdn spec with FLA's [HV, K, V] state (HF's): v [b, HV, V], k and q
+    [b, H, K] (l2-normed in the kernel), a and b [b, HV]; A_log, dt_bias. Their decode forward is the runtime's:
+    HF's projections (qwen3_next's fused qkvz and ba, or qwen3_5's four), the conv window, the recurrence, HF's
+    gated norm and output projection."""
+
+    spec_name: str = "gdn"
+
+    def accepts(self, mixer: torch.nn.Module) -> bool:
+        core = ("A_log", "dt_bias", "conv1d", "norm", "out_proj", "num_v_heads", "num_k_heads", "head_k_dim", "head_v_dim")
+        return all(hasattr(mixer, name) for name in core) and (_fused_projections(mixer) or _split_projections(mixer))
+
+    def shape_entry(self, mixer: torch.nn.Module) -> dict:
+        return {"heads": mixer.num_v_heads, "key_heads": mixer.num_k_heads, "value_dim": mixer.head_v_dim, "key_dim": mixer.head_k_dim, "layout": "key_value"}
+
+    def conv_activation(self, mixer: torch.nn.Module) -> str | None:
+        return mixer.activation
+
+    @contextlib.contextmanager
+    def decoding(self, runtime: "ReplayRuntime", layers: tuple[RecurrentLayer, ...]) -> Iterator[None]:
+        try:
+            for layer in layers:
+                layer.mixer.forward = MethodType(_gated_delta_net_forward(runtime, layer), layer.mixer)
+            yield
+        finally:
+            for layer in layers:
+                layer.mixer.__dict__.pop("forward", None)
+
+
+def _fused_projections(mixer) -> bool:
+    return all(hasattr(mixer, name) for name in ("in_proj_qkvz", "in_proj_ba", "fix_query_key_value_ordering"))
+
+
+def _split_projections(mixer) -> bool:
+    return all(hasattr(mixer, name) for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
+
+
+def _gdn_projections(mixer, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """HF's projections: the conv inputs [b, s, 2 H K + HV V] (q, k, v), the gate z [b, s, HV, V], b and a [b, s, HV]."""
+    batch, tokens, _ = hidden_states.shape
+    if _fused_projections(mixer):
+        query, key, value, z, b, a = mixer.fix_query_key_value_ordering(mixer.in_proj_qkvz(hidden_states), mixer.in_proj_ba(hidden_states))
+        mixed = torch.cat([t.reshape(batch, tokens, -1) for t in (query, key, value)], dim=-1)
+        return mixed, z, b, a
+    z = mixer.in_proj_z(hidden_states).reshape(batch, tokens, -1, mixer.head_v_dim)
+    return mixer.in_proj_qkv(hidden_states), z, mixer.in_proj_b(hidden_states), mixer.in_proj_a(hidden_states)
+
+
+def _gated_delta_net_forward(runtime: "ReplayRuntime", layer: RecurrentLayer) -> Callable:
+    def forward(mixer, hidden_states, cache=None, attention_mask=None, **kwargs):
+        batch, tokens, _ = hidden_states.shape
+        mixed, z, b, a = _gdn_projections(mixer, hidden_states)
+        mixed = runtime.run_conv(layer, mixed.transpose(1, 2)).transpose(1, 2)
+        key_width, value_width = mixer.num_k_heads * mixer.head_k_dim, mixer.num_v_heads * mixer.head_v_dim
+        query, key, value = torch.split(mixed, [key_width, key_width, value_width], dim=-1)
+        shaped = {
+            "v": value.reshape(batch, tokens, mixer.num_v_heads, mixer.head_v_dim),
+            "k": key.reshape(batch, tokens, mixer.num_k_heads, mixer.head_k_dim),
+            "q": query.reshape(batch, tokens, mixer.num_k_heads, mixer.head_k_dim),
+            "a": a.reshape(batch, tokens, mixer.num_v_heads),
+            "b": b.reshape(batch, tokens, mixer.num_v_heads),
+        }
+        core = runtime.run_recurrence(layer, shaped, {"A_log": mixer.A_log, "dt_bias": mixer.dt_bias})
+        core = mixer.norm(core.reshape(-1, mixer.head_v_dim), z.reshape(-1, mixer.head_v_dim))
+        return mixer.out_proj(core.reshape(batch, tokens, -1))
+
+    return forward
+
+
+FAMILIES = (Mamba2Mixers(), GatedDeltaNetMixers())
+
+
+def model_spec(spec_name: str, shapes: dict[str, dict], where: str) -> Spec:
+    """The shipped spec `spec_name` with `shapes` (name -> shape entry) as its only shapes, validated as a spec
+    file is; `where` names the shapes' origin in errors."""
+    path = spec_file(spec_name)
+    data = yaml.safe_load(path.read_text())
+    data["shapes"] = shapes
+    return load_spec_text(yaml.safe_dump(data, sort_keys=False), f"{path} with the shapes of {where}")
+
+
+def recurrent_mixers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, "Mamba2Mixers | GatedDeltaNetMixers"]]:
+    """Every recurrent mixer of `model` that a family here takes, in module order."""
+    found = []
+    for module in model.modules():
+        for family in FAMILIES:
+            if family.accepts(module):
+                found.append((module, family))
+                break
+    return found
+
+
+def shape_name(family, mixer: torch.nn.Module, capacity: int, window: int) -> str:
+    entry = family.shape_entry(mixer)
+    return f"h{entry['heads']}-g{entry['key_heads']}-v{entry['value_dim']}-k{entry['key_dim']}-l{capacity}-t{window}"
+
+
+def attach(model: torch.nn.Module, capacity: int = 16, window: int = 4, configs=None) -> "ReplayRuntime":
+    """A runtime for `model`'s recurrent layers: one module per distinct layer shape, at ring capacity L and
+    speculative window T (`configs`: kernel configs per kind, else the documented defaults)."""
+    mixers = recurrent_mixers(model)
+    if not mixers:
+        raise ReplaygenError(f"{type(model).__name__} has no recurrent mixer replaygen takes (Mamba-2 mixers of HF's Mamba-2 hybrids; Gated DeltaNet of qwen3_next and qwen3_5)")
+    modules: dict[tuple[str, str], ModuleType] = {}
+    layers = []
+    for mixer, family in mixers:
+        name = shape_name(family, mixer, capacity, window)
+        if (family.spec_name, name) not in modules:
+            entry = dict(family.shape_entry(mixer), capacity=capacity, window=window)
+            spec = model_spec(family.spec_name, {name: entry}, f"{type(model).__name__} layer {mixer.layer_idx}")
+            modules[(family.spec_name, name)] = load_kernels(spec, spec.shapes[0], configs)
+        layers.append(RecurrentLayer(mixer.layer_idx, mixer, family, modules[(family.spec_name, name)]))
+    return ReplayRuntime(model, tuple(layers), capacity, window)
+
+
+# Draft tokens for speculative decoding: (each sequence's tokens so far, prompt included; how many) -> per sequence
+# that many draft tokens.
+Drafter = Callable[[list[list[int]], int], list[list[int]]]
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What `ReplayRuntime.generate` produced: tokens [b, n], the logits [b, n, vocab] each was the argmax of, and
+    the decode or verify steps after the prompt that produced them."""
+
+    tokens: torch.Tensor
+    logits: torch.Tensor
+    steps: int
+
+
+class ReplayRuntime:
+    """An HF causal LM with its recurrent layers on replay kernels: `start` a batch of prompts, then step it
+    (`DecodeSession`), or `generate` greedily."""
+
+    def __init__(self, model: torch.nn.Module, layers: tuple[RecurrentLayer, ...], capacity: int, window: int):
+        self.model = model
+        self.layers = layers
+        self.capacity = capacity
+        self.window = window
+        self.mode = Mode.PREFILL
+        self.session: DecodeSession | None = None  # the session whose step runs now
+        self._takes_positions = "position_ids" in inspect.signature(model.forward).parameters
+
+    # --- what the intercepted functions call ------------------------------------------------------------------
+    def run_conv(self, layer: RecurrentLayer, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The conv of `layer` on [b, channels, s] pre-conv inputs, after the session's committed ones."""
+        return self.session.conv[layer.index].step(hidden_states)
+
+    def run_recurrence(self, layer: RecurrentLayer, inputs: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The recurrence of `layer` on inputs [b, s, ...] -> [b, s, heads, value_dim]: decode (s = 1) or verify."""
+        state, slots = self.session.replay[layer.index], self.session.slots
+        if self.mode is Mode.DECODE:
+            return layer.module.decode(state, slots, **{k: v[:, 0].contiguous() for k, v in inputs.items()}, **weights)[:, None]
+        return layer.module.verify(state, slots, **{k: v.contiguous() for k, v in inputs.items()}, **weights)
+
+    # --- decoding -------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def stepping(self, session: "DecodeSession", mode: Mode) -> Iterator[None]:
+        """The model's recurrent layers on `session`'s replay states for one forward."""
+        self.session, self.mode = session, mode
+        try:
+            with contextlib.ExitStack() as stack:
+                for family in {layer.family for layer in self.layers}:
+                    stack.enter_context(family.decoding(self, tuple(layer for layer in self.layers if layer.family is family)))
+                yield
+        finally:
+            self.session, self.mode = None, Mode.PREFILL
+
+    def forward(self, tokens: torch.Tensor, cache, position: int) -> torch.Tensor:
+        """Logits [b, s, vocab] of tokens [b, s] at positions position.. (HF's `cache` for attention layers)."""
+        kwargs = {}
+        if self._takes_positions:
+            kwargs["position_ids"] = torch.arange(position, position + tokens.shape[1], device=tokens.device)[None].expand(tokens.shape[0], -1)
+        return self.model(input_ids=tokens, cache=cache, use_cache=True, **kwargs).logits
+
+    @torch.no_grad()
+    def start(self, input_ids: torch.Tensor) -> "DecodeSession":
+        """Prefill prompts input_ids [b, n] through HF's own path; the session's `logits` [b, vocab] are the last
+        prompt token's."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        logits = self.forward(input_ids, cache, 0)[:, -1]
+        return DecodeSession(self, cache, input_ids, logits)
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, draft_tokens: int = 0, drafter: Drafter | None = None) -> Generation:
+        """Greedy continuation of prompts input_ids [b, n] by max_new_tokens tokens. With draft_tokens >= 1, each step
+        verifies the last token and draft_tokens drafts per sequence (`drafter`, default `prompt_lookup_drafts`) in
+        one window and keeps the longest prefix that greedy decoding would have produced (the shortest of the batch's
+        rows): the tokens are greedy decoding's, in fewer steps where drafts are right."""
+        if not 0 <= draft_tokens < self.window:
+            raise ValueError(f"draft_tokens={draft_tokens}: a window holds the last token and at most {self.window - 1} drafts (window {self.window})")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens}: generate at least one token")
+        session = self.start(input_ids)
+        scores = [session.logits[:, None]]
+        history = [row + [token] for row, token in zip(input_ids.tolist(), session.logits.argmax(-1).tolist())]
+        count, steps = 1, 0
+        while count < max_new_tokens:
+            last = scores[-1][:, -1].argmax(-1)
+            if draft_tokens == 0:
+                logits = session.decode(last)[:, None]
+            else:
+                drafts = torch.tensor((drafter or prompt_lookup_drafts)(history, draft_tokens), device=input_ids.device)
+                logits = session.verify(torch.cat([last[:, None], drafts], dim=1))
+                matches = (drafts == logits[:, :-1].argmax(-1)).long().cumprod(dim=1).sum(dim=1)
+                kept = int(matches.min())  # the drafts every row accepts: one length for the batch's attention KV
+                session.commit(kept + 1)
+                logits = logits[:, : kept + 1]
+            scores.append(logits)
+            for row, tokens in zip(history, logits.argmax(-1).tolist()):
+                row.extend(tokens)
+            count += logits.shape[1]
+            steps += 1
+        logits = torch.cat(scores, dim=1)[:, :max_new_tokens]
+        return Generation(logits.argmax(-1), logits, steps)
+
+
+class DecodeSession:
+    """A batch of sequences after their prompts: per recurrent layer a replay state and a conv window, HF's cache
+    for the attention layers. `decode` one token per sequence, or `verify` a window and `commit` its prefix."""
+
+    def __init__(self, runtime: ReplayRuntime, cache, input_ids: torch.Tensor, logits: torch.Tensor):
+        self.runtime = runtime
+        self.cache = cache
+        self.logits = logits
+        self.position = input_ids.shape[1]
+        self.pending = 0  # tokens of a verified window that wait for `commit`
+        batch, device = input_ids.shape[0], input_ids.device
+        dtype = next(runtime.model.parameters()).dtype
+        self.slots = torch.arange(batch, dtype=torch.int32, device=device)
+        self.replay, self.conv = {}, {}
+        for layer in runtime.layers:
+            recurrent, conv_state = cache.get_recurrent_state(layer.index), cache.get_conv_state(layer.index)
+            if recurrent is None or conv_state is None:
+                raise ReplaygenError(f"layer {layer.index}: the prompt left no recurrent or conv state in HF's cache")
+            state = layer.module.allocate(batch, device, dtype)
+            layer.module.load(state, self.slots, recurrent.to(torch.float32).contiguous())
+            self.replay[layer.index] = state
+            width = layer.mixer.conv1d.kernel_size[0] - 1
+            self.conv[layer.index] = ConvWindow(layer.mixer.conv1d, layer.family.conv_activation(layer.mixer), conv_state[..., -width:].to(dtype))
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits [b, vocab] after one more token per sequence, tokens [b]."""
+        self._check_no_pending("decode")
+        with self.runtime.stepping(self, Mode.DECODE):
+            logits = self.runtime.forward(tokens[:, None], self.cache, self.position)[:, 0]
+        for window in self.conv.values():
+            window.commit(1)
+        self.position += 1
+        return logits
+
+    @torch.no_grad()
+    def verify(self, window: torch.Tensor) -> torch.Tensor:
+        """Logits [b, T, vocab] of a window of tokens [b, T] (T <= the runtime's window) after each sequence's
+        committed ones; nothing is kept until `commit`."""
+        self._check_no_pending("verify")
+        if not 1 <= window.shape[1] <= self.runtime.window:
+            raise ValueError(f"a window of {window.shape[1]} tokens: verify takes 1..{self.runtime.window}")
+        with self.runtime.stepping(self, Mode.VERIFY):
+            logits = self.runtime.forward(window, self.cache, self.position)
+        self.pending = window.shape[1]
+        return logits
+
+    def commit(self, accepted: int) -> None:
+        """Keep the first `accepted` tokens (1..T, the same for every sequence) of the last verified window: the
+        replay cursors move, the conv windows keep those inputs, the attention layers drop the others' KV."""
+        if not self.pending:
+            raise ReplaygenError("commit without a verify before it")
+        if not 1 <= accepted <= self.pending:
+            raise ValueError(f"accepted={accepted}: the last window had {self.pending} tokens (keep 1..{self.pending})")
+        for layer in self.runtime.layers:
+            counts = torch.full_like(self.slots, accepted)
+            layer.module.commit(self.replay[layer.index], self.slots, counts, num_tokens=self.pending)
+            self.conv[layer.index].commit(accepted)
+        _crop_attention(self.cache, {layer.index for layer in self.runtime.layers}, self.pending - accepted)
+        self.position += accepted
+        self.pending = 0
+
+    def states(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Per recurrent layer index: its states [b, *STATE_SHAPE] (materialized) and conv inputs [b, channels, W - 1]."""
+        self._check_no_pending("states")
+        return {layer.index: (layer.module.materialize(self.replay[layer.index], self.slots), self.conv[layer.index].history) for layer in self.runtime.layers}
+
+    def _check_no_pending(self, what: str) -> None:
+        if self.pending:
+            raise ReplaygenError(f"{what} with a verified window of {self.pending} tokens not committed: commit it first")
+
+
+def _crop_attention(cache, recurrent: set[int], tokens: int) -> None:
+    """Drop the last `tokens` keys and values of every attention layer of HF's `cache` (not of the recurrent ones)."""
+    from transformers.cache_utils import DynamicLayer
+
+    for index, layer in enumerate(cache.layers):
+        if index in recurrent:
+            if isinstance(layer, DynamicLayer):
+                raise ReplaygenError(f"layer {index} caches attention and a recurrent state in one layer: replaygen cannot crop it")
+            continue
+        if isinstance(layer, DynamicLayer):
+            layer.crop(-tokens)
+
+
+def prompt_lookup_drafts(sequences: list[list[int]], count: int) -> list[list[int]]:
+    """A `Drafter`: `prompt_lookup` of each sequence, trigrams down to single tokens."""
+    return [prompt_lookup(tokens, count) for tokens in sequences]
+
+
+def prompt_lookup(tokens: list[int], count: int, max_ngram: int = 3) -> list[int]:
+    """`count` draft tokens for a sequence (prompt lookup): the tokens that followed the latest earlier occurrence of
+    its last n tokens, for the largest n <= max_ngram that occurs; the last token repeated where none does."""
+    for n in range(min(max_ngram, len(tokens) - 1), 0, -1):
+        tail = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == tail:
+                follow = tokens[start + n : start + n + count]
+                return follow + [follow[-1]] * (count - len(follow))
+    return [tokens[-1]] * count

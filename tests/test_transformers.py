@@ -1,0 +1,193 @@
+"""HF transformers models decoding through replaygen (replaygen.integrations.transformers), on tiny randomly
+initialised configs of each supported class: greedy tokens and logits as HF's own `generate`, the speculative loop's
+tokens as greedy decoding's, and a rejected draft leaving every state as if it never ran."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from replaygen.errors import ReplaygenError  # noqa: E402
+from replaygen.integrations.transformers import ConvWindow, attach, prompt_lookup  # noqa: E402
+
+from conftest import DEVICE  # noqa: E402
+
+NEW_TOKENS = 32
+COMMON = {"vocab_size": 64, "hidden_size": 32, "eos_token_id": None, "pad_token_id": 0, "bos_token_id": None, "initializer_range": 0.3}
+ATTENTION = {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16}
+GDN = {"linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4}
+
+
+def _mamba2():
+    config = transformers.Mamba2Config(**COMMON, num_hidden_layers=2, state_size=16, expand=2, head_dim=16, num_heads=4, n_groups=2, conv_kernel=4, chunk_size=8)
+    return transformers.Mamba2ForCausalLM(config)
+
+
+def _nemotron_h():
+    config = transformers.NemotronHConfig(
+        **COMMON, **ATTENTION, num_hidden_layers=3, hybrid_override_pattern="M*-", mamba_num_heads=4, mamba_head_dim=16, n_groups=2,
+        ssm_state_size=16, conv_kernel=4, intermediate_size=64, chunk_size=8,
+    )
+    return transformers.NemotronHForCausalLM(config)
+
+
+def _bamba():
+    config = transformers.BambaConfig(
+        **COMMON, **{k: v for k, v in ATTENTION.items() if k != "head_dim"}, num_hidden_layers=2, attn_layer_indices=[1], mamba_n_heads=4,
+        mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, intermediate_size=64, mamba_chunk_size=8,
+    )
+    return transformers.BambaForCausalLM(config)
+
+
+def _qwen3_next():
+    config = transformers.Qwen3NextConfig(
+        **COMMON, **ATTENTION, **GDN, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], intermediate_size=64,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+    )
+    return transformers.Qwen3NextForCausalLM(config)
+
+
+def _qwen3_5():
+    config = transformers.Qwen3_5TextConfig(**COMMON, **ATTENTION, **GDN, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], intermediate_size=64)
+    return transformers.Qwen3_5ForCausalLM(config)
+
+
+MODELS = {"mamba2": _mamba2, "nemotron_h": _nemotron_h, "bamba": _bamba, "qwen3_next": _qwen3_next, "qwen3_5": _qwen3_5}
+
+
+def _model(name: str):
+    torch.manual_seed(0)
+    return MODELS[name]().to(DEVICE).eval()
+
+
+def _prompts() -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randint(1, 64, (2, 7), generator=generator).to(DEVICE)
+
+
+def _hf_greedy(model, prompts: torch.Tensor):
+    out = model.generate(prompts, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    return out.sequences[:, prompts.shape[1] :], torch.stack(out.logits, dim=1)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_greedy_generation_is_hf_greedy_generation(name):
+    """32 greedy tokens through the replay kernels (L=8: several flushes) are HF's, each from logits within 1e-4."""
+    model, prompts = _model(name), _prompts()
+    tokens, logits = _hf_greedy(model, prompts)
+    assert len(set(tokens[0].tolist())) > 4, "the random model repeats itself: the check would be weak"
+    runtime = attach(model, capacity=8, window=4)
+    assert runtime.layers, "no recurrent layer was attached"
+    ours = runtime.generate(prompts, NEW_TOKENS)
+    assert torch.equal(ours.tokens, tokens)
+    torch.testing.assert_close(ours.logits, logits, atol=1e-4, rtol=1e-4)
+    assert ours.steps == NEW_TOKENS - 1
+
+
+def _drafts_right_up_to(greedy: torch.Tensor, prompt_length: int):
+    """A drafter that proposes greedy decoding's next tokens, but for one wrong draft whose place cycles through the
+    window (every acceptance count from 0 to all occurs)."""
+
+    def drafter(sequences, count):
+        drafts = []
+        for row, tokens in enumerate(sequences):
+            done = len(tokens) - prompt_length
+            right = greedy[row, done : done + count].tolist()
+            right += [0] * (count - len(right))
+            wrong = done % (count + 1)
+            if wrong < count:
+                right[wrong] = (right[wrong] + 1) % 64
+            drafts.append(right)
+        return drafts
+
+    return drafter
+
+
+@pytest.mark.parametrize("name", ["mamba2", "qwen3_next"])
+def test_speculative_generation_gives_greedy_tokens_in_fewer_steps(name):
+    """Windows of 4 verified and committed (the attention KV cropped after rejections), drafts accepted 0 to 3 at
+    a time: the tokens and logits of greedy decoding, in fewer steps."""
+    model, prompts = _model(name), _prompts()
+    runtime = attach(model, capacity=8, window=4)
+    greedy = runtime.generate(prompts, NEW_TOKENS)
+    speculative = runtime.generate(prompts, NEW_TOKENS, draft_tokens=3, drafter=_drafts_right_up_to(greedy.tokens, prompts.shape[1]))
+    assert torch.equal(speculative.tokens, greedy.tokens)
+    torch.testing.assert_close(speculative.logits, greedy.logits, atol=1e-4, rtol=1e-4)
+    assert speculative.steps < (NEW_TOKENS - 1) / 2
+
+
+def test_prompt_lookup_speculation_gives_greedy_tokens():
+    model, prompts = _model("bamba"), _prompts()
+    runtime = attach(model, capacity=8, window=4)
+    assert torch.equal(runtime.generate(prompts, 8, draft_tokens=2).tokens, runtime.generate(prompts, 8).tokens)
+
+
+@pytest.mark.parametrize("name", ["nemotron_h", "qwen3_5"])
+def test_a_rejected_draft_leaves_the_states_as_if_it_never_ran(name):
+    """verify of a window then commit of 2 of its 4 tokens: recurrent states, conv inputs, attention KV and the
+    next logits as after decoding those 2 tokens alone."""
+    model, prompts = _model(name), _prompts()
+    runtime = attach(model, capacity=8, window=4)
+    window = torch.randint(1, 64, (2, 4), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    stepped, verified = runtime.start(prompts), runtime.start(prompts)
+    for _ in range(5):  # past the first flush of the decode path's buffer
+        token = stepped.logits.argmax(-1)
+        stepped.logits = stepped.decode(token)
+        verified.logits = verified.decode(token)
+    for t in range(2):
+        after_decode = stepped.decode(window[:, t])
+    logits = verified.verify(window)
+    torch.testing.assert_close(logits[:, 1], after_decode, atol=1e-4, rtol=1e-4)
+    verified.commit(2)
+    for index, (state, conv) in stepped.states().items():
+        other_state, other_conv = verified.states()[index]
+        torch.testing.assert_close(other_state, state, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(other_conv, conv, atol=1e-6, rtol=1e-5)  # projections of 1 and 4 tokens: last bits differ
+    next_token = window[:, 2]
+    torch.testing.assert_close(verified.decode(next_token), stepped.decode(next_token), atol=1e-4, rtol=1e-4)
+
+
+def test_a_conv_window_commits_a_prefix_exactly():
+    """The conv of a window then a commit of 2 of its 4 inputs: the outputs and the kept inputs of 2 single steps."""
+    conv = torch.nn.Conv1d(6, 6, kernel_size=4, groups=6, padding=3)
+    generator = torch.Generator().manual_seed(3)
+    history, window = torch.randn(2, 6, 3, generator=generator), torch.randn(2, 6, 4, generator=generator)
+    stepped, verified = ConvWindow(conv, "silu", history), ConvWindow(conv, "silu", history)
+    singles = []
+    for t in range(2):
+        singles.append(stepped.step(window[..., t : t + 1]))
+        stepped.commit(1)
+    outputs = verified.step(window)
+    verified.commit(2)
+    torch.testing.assert_close(outputs[..., :2], torch.cat(singles, dim=-1), atol=1e-6, rtol=1e-6)
+    assert torch.equal(verified.history, stepped.history)
+    assert torch.equal(verified.history, torch.cat([history, window[..., :2]], dim=-1)[..., -3:])
+    with pytest.raises(ReplaygenError, match="without a step"):
+        verified.commit(1)
+
+
+def test_misuse_is_refused_with_a_clear_error():
+    model, prompts = _model("mamba2"), _prompts()
+    runtime = attach(model, capacity=8, window=4)
+    with pytest.raises(ValueError, match="at most 3 drafts"):
+        runtime.generate(prompts, 4, draft_tokens=4)
+    session = runtime.start(prompts)
+    with pytest.raises(ReplaygenError, match="commit without a verify"):
+        session.commit(1)
+    session.verify(prompts[:, :3])
+    with pytest.raises(ReplaygenError, match="not committed"):
+        session.decode(prompts[:, 0])
+    with pytest.raises(ValueError, match="keep 1..3"):
+        session.commit(4)
+    with pytest.raises(ValueError, match="verify takes 1..4"):
+        session.commit(1) or session.verify(torch.cat([prompts, prompts], dim=1))
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON, **ATTENTION, num_hidden_layers=1, intermediate_size=64))
+    with pytest.raises(ReplaygenError, match="no recurrent mixer"):
+        attach(llama)
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_match():
+    assert prompt_lookup([1, 2, 3, 9, 1, 2, 3], 3) == [9, 1, 2]
+    assert prompt_lookup([5, 6, 7, 5, 6], 2) == [7, 5]  # the bigram (5, 6) matched, its followers taken
+    assert prompt_lookup([4, 8, 4], 3) == [8, 4, 4]  # fewer followers than asked: the last one repeated
+    assert prompt_lookup([1, 2, 3], 2) == [3, 3]  # no match: the last token repeated
