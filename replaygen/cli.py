@@ -222,6 +222,15 @@ def build_parser() -> argparse.ArgumentParser:
         "with --exhaustive or --recorded, processes that compile each search's candidates ahead of the GPU (default: the CPUs "
         "less two; 0: off)"))
 
+    p = sub.add_parser("spec-from-config", help="a spec file for the recurrent layers of an HF transformers model", description=(
+        "Write the spec file of an HF transformers causal LM's recurrent layers: the shipped spec of their family "
+        "(mamba2, gdn or kda) with one shape per distinct layer shape read from the model's config (nothing downloaded); "
+        "then `replaygen build FILE` builds its modules."))
+    p.add_argument("model", type=Path, help="the model's folder, or its config.json")
+    p.add_argument("--out", required=True, type=Path, help="spec file to write")
+    _add_int(p, "--capacity", 2, default=16, metavar="L", help="ring-buffer entries per sequence (default: %(default)s)")
+    _add_int(p, "--window", 1, default=4, metavar="T", help="speculative window (default: %(default)s)")
+
     p = sub.add_parser("list", help="specs, their shapes, and GPUs with tuning records", description="List the specs in SPECS_DIR with their shapes, the GPUs that have tuning records in TUNE_DIR and, per GPU, which shapes' records hold trials of which kernels (and which shapes have none, so build runs their documented defaults).")
     p.add_argument("--specs-dir", default=None, type=Path, help="folder of spec files (default: the shipped specs)")
     p.add_argument("--tune-dir", default=None, type=Path, help="tuning records folder (default: the shipped records, or tune/ beside --specs-dir)")
@@ -681,7 +690,42 @@ def cmd_drift(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"bench": cmd_bench, "build": cmd_build, "check": cmd_check, "compile": cmd_compile, "drift": cmd_drift, "show": cmd_show, "list": cmd_list, "plot": cmd_plot, "tune": cmd_tune}
+def cmd_spec_from_config(args: argparse.Namespace) -> int:
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        raise ReplaygenError("spec-from-config reads the model's config with HF transformers: pip install 'replaygen[transformers]'") from None
+    from replaygen.integrations.transformers import spec_from_config
+    from replaygen.spec import load_spec_text
+
+    folder = args.model.parent if args.model.name == "config.json" else args.model
+    if not (folder / "config.json").is_file():
+        raise ReplaygenError(f"no config.json in {folder}")
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (ValueError, KeyError, OSError) as exc:
+        raise ReplaygenError(f"{folder / 'config.json'}: {exc}") from None
+    text = spec_from_config(config, capacity=args.capacity, window=args.window)
+    spec = load_spec_text(text, str(args.out))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    shapes = ", ".join(f"{s.name} ({_describe(s)})" for s in spec.shapes)
+    print(f"wrote {args.out}: spec {spec.name}, shapes {shapes}; next: replaygen build {args.out} --gpu GPU")
+    return 0
+
+
+COMMANDS = {
+    "bench": cmd_bench,
+    "build": cmd_build,
+    "check": cmd_check,
+    "compile": cmd_compile,
+    "drift": cmd_drift,
+    "show": cmd_show,
+    "list": cmd_list,
+    "plot": cmd_plot,
+    "spec-from-config": cmd_spec_from_config,
+    "tune": cmd_tune,
+}
 
 if __name__ == "__main__":
     sys.exit(main())

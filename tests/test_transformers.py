@@ -7,10 +7,12 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from replaygen.cli import main  # noqa: E402
 from replaygen.errors import ReplaygenError  # noqa: E402
 from replaygen.integrations.transformers import ConvWindow, attach, prompt_lookup  # noqa: E402
+from replaygen.spec import load_spec  # noqa: E402
 
-from conftest import DEVICE  # noqa: E402
+from conftest import DEVICE, ROOT  # noqa: E402
 
 NEW_TOKENS = 32
 COMMON = {"vocab_size": 64, "hidden_size": 32, "eos_token_id": None, "pad_token_id": 0, "bos_token_id": None, "initializer_range": 0.3}
@@ -52,7 +54,52 @@ def _qwen3_5():
     return transformers.Qwen3_5ForCausalLM(config)
 
 
-MODELS = {"mamba2": _mamba2, "nemotron_h": _nemotron_h, "bamba": _bamba, "qwen3_next": _qwen3_next, "qwen3_5": _qwen3_5}
+def _falcon_h1():
+    config = transformers.FalconH1Config(
+        **COMMON, **ATTENTION, num_hidden_layers=2, intermediate_size=64, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2,
+        mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8,
+    )
+    return transformers.FalconH1ForCausalLM(config)  # attention beside the mixer in every layer: one cache layer holds both
+
+
+def _granitemoehybrid():
+    config = transformers.GraniteMoeHybridConfig(
+        **COMMON, **{k: v for k, v in ATTENTION.items() if k != "head_dim"}, num_hidden_layers=2, layer_types=["mamba", "attention"],
+        intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=64, mamba_n_heads=4, mamba_d_head=16,
+        mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8,
+    )
+    return transformers.GraniteMoeHybridForCausalLM(config)
+
+
+def _zamba2():
+    config = transformers.Zamba2Config(
+        **COMMON, num_hidden_layers=2, layers_block_type=["mamba", "hybrid"], mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_ngroups=2,
+        n_mamba_heads=4, chunk_size=8, num_attention_heads=2, num_key_value_heads=2, intermediate_size=64, num_mem_blocks=1, use_mem_rope=False,
+    )
+    return transformers.Zamba2ForCausalLM(config)
+
+
+def _kimi_linear():
+    config = transformers.KimiLinearConfig(
+        **COMMON, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], num_attention_heads=2, num_key_value_heads=2,
+        intermediate_size=64, moe_intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, n_shared_experts=1, kv_lora_rank=16,
+        q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, linear_head_dim=16, linear_num_heads=4, linear_conv_kernel_dim=4,
+        n_group=1, topk_group=1,
+    )
+    return transformers.KimiLinearForCausalLM(config)
+
+
+MODELS = {
+    "mamba2": _mamba2,
+    "nemotron_h": _nemotron_h,
+    "bamba": _bamba,
+    "falcon_h1": _falcon_h1,
+    "granitemoehybrid": _granitemoehybrid,
+    "zamba2": _zamba2,
+    "qwen3_next": _qwen3_next,
+    "qwen3_5": _qwen3_5,
+    "kimi_linear": _kimi_linear,
+}
 
 
 def _model(name: str):
@@ -103,7 +150,7 @@ def _drafts_right_up_to(greedy: torch.Tensor, prompt_length: int):
     return drafter
 
 
-@pytest.mark.parametrize("name", ["mamba2", "qwen3_next"])
+@pytest.mark.parametrize("name", ["mamba2", "qwen3_next", "falcon_h1"])
 def test_speculative_generation_gives_greedy_tokens_in_fewer_steps(name):
     """Windows of 4 verified and committed (the attention KV cropped after rejections), drafts accepted 0 to 3 at
     a time: the tokens and logits of greedy decoding, in fewer steps."""
@@ -122,7 +169,7 @@ def test_prompt_lookup_speculation_gives_greedy_tokens():
     assert torch.equal(runtime.generate(prompts, 8, draft_tokens=2).tokens, runtime.generate(prompts, 8).tokens)
 
 
-@pytest.mark.parametrize("name", ["nemotron_h", "qwen3_5"])
+@pytest.mark.parametrize("name", ["nemotron_h", "qwen3_5", "kimi_linear"])
 def test_a_rejected_draft_leaves_the_states_as_if_it_never_ran(name):
     """verify of a window then commit of 2 of its 4 tokens: recurrent states, conv inputs, attention KV and the
     next logits as after decoding those 2 tokens alone."""
@@ -191,3 +238,36 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
     assert prompt_lookup([5, 6, 7, 5, 6], 2) == [7, 5]  # the bigram (5, 6) matched, its followers taken
     assert prompt_lookup([4, 8, 4], 3) == [8, 4, 4]  # fewer followers than asked: the last one repeated
     assert prompt_lookup([1, 2, 3], 2) == [3, 3]  # no match: the last token repeated
+
+
+def test_a_layer_of_a_shipped_shape_runs_its_tuned_module():
+    """attach with gpu: a mixer of Nemotron-H's sizes at L=16, T=4 gets the module `replaygen build` bakes for the
+    shipped nemotron-h shape; another L gets the documented defaults (a model of meta tensors: nothing runs)."""
+    config = transformers.NemotronHConfig(
+        vocab_size=64, hidden_size=256, num_hidden_layers=1, hybrid_override_pattern="M", num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, mamba_num_heads=128, mamba_head_dim=64, n_groups=8, ssm_state_size=128, conv_kernel=4, intermediate_size=64,
+    )
+    with torch.device("meta"):
+        model = transformers.NemotronHForCausalLM(config)
+    tuned = attach(model, capacity=16, window=4, gpu="H200").layers[0].module
+    assert open(tuned.__file__).read() == (ROOT / "generated" / "h200" / "mamba2_nemotron_h.py").read_text()
+    other = attach(model, capacity=12, window=4, gpu="h200").layers[0].module
+    assert "# configs    defaults" in open(other.__file__).read()
+
+
+def test_spec_from_config_writes_a_spec_that_builds(tmp_path):
+    """`replaygen spec-from-config` of a saved config: the shipped spec with the model's layer shapes, which
+    `replaygen build` builds; a folder without a config, or a model without a recurrent mixer, is refused."""
+    _model("qwen3_next").config.save_pretrained(tmp_path / "model")
+    spec_path = tmp_path / "qwen3-next.yaml"
+    assert main(["spec-from-config", str(tmp_path / "model"), "--out", str(spec_path), "--capacity", "8"]) == 0
+    spec = load_spec(spec_path)
+    assert spec.name == "gdn" and [s.name for s in spec.shapes] == ["qwen3-next"]
+    shape = spec.shapes[0]
+    assert (shape.heads, shape.key_heads, shape.value_dim, shape.key_dim, shape.capacity, shape.window, shape.layout.value) == (4, 2, 16, 16, 8, 4, "key_value")
+    assert main(["build", str(spec_path), "--gpu", "cpu", "--allow-default", "--out", str(tmp_path / "kernels")]) == 0
+    assert (tmp_path / "kernels" / "cpu" / "gdn_qwen3_next.py").is_file()
+    assert main(["spec-from-config", str(tmp_path), "--out", str(tmp_path / "x.yaml")]) == 2
+    transformers.LlamaConfig(**COMMON, **ATTENTION, num_hidden_layers=1, intermediate_size=64).save_pretrained(tmp_path / "llama")
+    assert main(["spec-from-config", str(tmp_path / "llama"), "--out", str(tmp_path / "x.yaml")]) == 2
+    assert not (tmp_path / "x.yaml").exists()

@@ -13,8 +13,9 @@ attention layers' KV cache (HF's) is cropped by the rejected ones.
 
 HF's Mamba-2 mixers (mamba2, nemotron_h, bamba, falcon_h1, granitemoehybrid, zamba2) call two functions of their
 modeling module, `causal_conv1d_forward` and `mamba2_scan_forward` (HF's points for a runtime that keeps the state
-itself): while a runtime decodes, those are its own. HF's Gated DeltaNet mixers (qwen3_next, qwen3_5) have no such
-point for the recurrence, so their decode forward is the runtime's (`GatedDeltaNetMixers`).
+itself): while a runtime decodes, those are its own. HF's delta-rule mixers (Gated DeltaNet of qwen3_next and
+qwen3_5, Kimi Delta Attention of kimi_linear) have no such point for the recurrence, so their decode forward is the
+runtime's (`DeltaRuleMixers`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import enum
 import inspect
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from types import MethodType, ModuleType
 
 import torch
@@ -32,9 +34,10 @@ import torch.nn.functional as F
 import yaml
 
 from replaygen.errors import ReplaygenError
-from replaygen.paths import spec_file
+from replaygen.paths import gpu_name, records_dir, spec_file
 from replaygen.runtime import load_kernels
-from replaygen.spec import load_spec_text
+from replaygen.spec import load_spec, load_spec_text
+from replaygen.tune.apply import resolve_configs
 from replaygen.spec.model import Spec, TargetShape
 
 
@@ -88,7 +91,7 @@ class RecurrentLayer:
 
     index: int  # the mixer's layer_idx (its place in HF's cache)
     mixer: torch.nn.Module
-    family: "Mamba2Mixers | GatedDeltaNetMixers"
+    family: "Mamba2Mixers | DeltaRuleMixers"
     module: ModuleType
 
 
@@ -166,20 +169,26 @@ def _intercept_scan(runtime: "ReplayRuntime", mixers: dict, original: Callable) 
 
 
 @dataclass(frozen=True)
-class GatedDeltaNetMixers:
-    """HF's Gated DeltaNet mixers, onto the gdn spec with FLA's [HV, K, V] state (HF's): v [b, HV, V], k and q
-    [b, H, K] (l2-normed in the kernel), a and b [b, HV]; A_log, dt_bias. Their decode forward is the runtime's:
-    HF's projections (qwen3_next's fused qkvz and ba, or qwen3_5's four), the conv window, the recurrence, HF's
-    gated norm and output projection."""
+class MixerProjections:
+    """One decode step's HF projections of a delta-rule mixer: the conv inputs [b, s, channels] (query, key and
+    value channels in that order), and the recurrence's other inputs [b, s, heads(, ...)] by spec name."""
 
-    spec_name: str = "gdn"
+    conv_inputs: torch.Tensor
+    step_inputs: dict[str, torch.Tensor]
+    gate: torch.Tensor  # the output norm's gate
+
+
+class DeltaRuleMixers:
+    """HF's delta-rule mixers (Gated DeltaNet, Kimi Delta Attention), whose recurrence call has no point to replace:
+    while a runtime decodes, each mixer's forward is `_delta_rule_forward`: the family's projections (HF's modules),
+    the conv window, the recurrence of the generated module, HF's gated norm and output projection. States are HF's
+    [heads, key_dim, value_dim] (the specs' key_value layout)."""
+
+    spec_name: str
+    required: tuple[str, ...]
 
     def accepts(self, mixer: torch.nn.Module) -> bool:
-        core = ("A_log", "dt_bias", "conv1d", "norm", "out_proj", "num_v_heads", "num_k_heads", "head_k_dim", "head_v_dim")
-        return all(hasattr(mixer, name) for name in core) and (_fused_projections(mixer) or _split_projections(mixer))
-
-    def shape_entry(self, mixer: torch.nn.Module) -> dict:
-        return {"heads": mixer.num_v_heads, "key_heads": mixer.num_k_heads, "value_dim": mixer.head_v_dim, "key_dim": mixer.head_k_dim, "layout": "key_value"}
+        return all(hasattr(mixer, name) for name in self.required)
 
     def conv_activation(self, mixer: torch.nn.Module) -> str | None:
         return mixer.activation
@@ -188,11 +197,67 @@ class GatedDeltaNetMixers:
     def decoding(self, runtime: "ReplayRuntime", layers: tuple[RecurrentLayer, ...]) -> Iterator[None]:
         try:
             for layer in layers:
-                layer.mixer.forward = MethodType(_gated_delta_net_forward(runtime, layer), layer.mixer)
+                layer.mixer.forward = MethodType(_delta_rule_forward(runtime, layer), layer.mixer)
             yield
         finally:
             for layer in layers:
                 layer.mixer.__dict__.pop("forward", None)
+
+
+def _delta_rule_forward(runtime: "ReplayRuntime", layer: RecurrentLayer) -> Callable:
+    family = layer.family
+
+    def forward(mixer, hidden_states, cache=None, attention_mask=None, **kwargs):
+        batch, tokens, _ = hidden_states.shape
+        projected = family.project(mixer, hidden_states)
+        mixed = runtime.run_conv(layer, projected.conv_inputs.transpose(1, 2)).transpose(1, 2)
+        heads, key_heads, value_dim, key_dim = (family.shape_entry(mixer)[k] for k in ("heads", "key_heads", "value_dim", "key_dim"))
+        query, key, value = torch.split(mixed, [key_heads * key_dim, key_heads * key_dim, heads * value_dim], dim=-1)
+        inputs = {
+            "v": value.reshape(batch, tokens, heads, value_dim),
+            "k": key.reshape(batch, tokens, key_heads, key_dim),
+            "q": query.reshape(batch, tokens, key_heads, key_dim),
+            **projected.step_inputs,
+        }
+        core = runtime.run_recurrence(layer, inputs, family.weights(mixer))
+        return family.finish(mixer, core, projected.gate)
+
+    return forward
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetMixers(DeltaRuleMixers):
+    """HF's Gated DeltaNet mixers onto the gdn spec: v [b, HV, V], k and q [b, H, K] (l2-normed in the kernel), a
+    and b [b, HV]; A_log, dt_bias. Projections: qwen3_next's fused qkvz and ba, or qwen3_5's four."""
+
+    spec_name: str = "gdn"
+    required: tuple[str, ...] = ("A_log", "dt_bias", "conv1d", "norm", "out_proj", "num_v_heads", "num_k_heads", "head_k_dim", "head_v_dim")
+
+    def accepts(self, mixer: torch.nn.Module) -> bool:
+        return super().accepts(mixer) and (_fused_projections(mixer) or _split_projections(mixer))
+
+    def shape_entry(self, mixer: torch.nn.Module) -> dict:
+        return {"heads": mixer.num_v_heads, "key_heads": mixer.num_k_heads, "value_dim": mixer.head_v_dim, "key_dim": mixer.head_k_dim, "layout": "key_value"}
+
+    def project(self, mixer: torch.nn.Module, hidden_states: torch.Tensor) -> MixerProjections:
+        batch, tokens, _ = hidden_states.shape
+        if _fused_projections(mixer):
+            query, key, value, z, b, a = mixer.fix_query_key_value_ordering(mixer.in_proj_qkvz(hidden_states), mixer.in_proj_ba(hidden_states))
+            mixed = torch.cat([t.reshape(batch, tokens, -1) for t in (query, key, value)], dim=-1)
+        else:
+            z = mixer.in_proj_z(hidden_states).reshape(batch, tokens, -1, mixer.head_v_dim)
+            mixed, b, a = mixer.in_proj_qkv(hidden_states), mixer.in_proj_b(hidden_states), mixer.in_proj_a(hidden_states)
+        heads = mixer.num_v_heads
+        return MixerProjections(mixed, {"a": a.reshape(batch, tokens, heads), "b": b.reshape(batch, tokens, heads)}, z)
+
+    def weights(self, mixer: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return {"A_log": mixer.A_log, "dt_bias": mixer.dt_bias}
+
+    def finish(self, mixer: torch.nn.Module, core: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """core [b, s, HV, V] -> [b, s, hidden]: HF's gated RMSNorm and output projection."""
+        batch, tokens = core.shape[:2]
+        core = mixer.norm(core.reshape(-1, mixer.head_v_dim), gate.reshape(-1, mixer.head_v_dim))
+        return mixer.out_proj(core.reshape(batch, tokens, -1))
 
 
 def _fused_projections(mixer) -> bool:
@@ -203,51 +268,82 @@ def _split_projections(mixer) -> bool:
     return all(hasattr(mixer, name) for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
 
 
-def _gdn_projections(mixer, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """HF's projections: the conv inputs [b, s, 2 H K + HV V] (q, k, v), the gate z [b, s, HV, V], b and a [b, s, HV]."""
-    batch, tokens, _ = hidden_states.shape
-    if _fused_projections(mixer):
-        query, key, value, z, b, a = mixer.fix_query_key_value_ordering(mixer.in_proj_qkvz(hidden_states), mixer.in_proj_ba(hidden_states))
-        mixed = torch.cat([t.reshape(batch, tokens, -1) for t in (query, key, value)], dim=-1)
-        return mixed, z, b, a
-    z = mixer.in_proj_z(hidden_states).reshape(batch, tokens, -1, mixer.head_v_dim)
-    return mixer.in_proj_qkv(hidden_states), z, mixer.in_proj_b(hidden_states), mixer.in_proj_a(hidden_states)
+@dataclass(frozen=True)
+class KimiDeltaAttentionMixers(DeltaRuleMixers):
+    """HF's Kimi Delta Attention (kimi_linear) onto the kda spec: v [b, H, V], k and q [b, H, K], the log decay g
+    [b, H, K] and beta [b, H] passed directly (HF's forget gate and b projection compute them)."""
 
+    spec_name: str = "kda"
+    required: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "conv1d", "forget_gate", "b_proj", "g_a_proj", "g_b_proj", "o_norm", "o_proj", "num_heads", "head_dim")
 
-def _gated_delta_net_forward(runtime: "ReplayRuntime", layer: RecurrentLayer) -> Callable:
-    def forward(mixer, hidden_states, cache=None, attention_mask=None, **kwargs):
+    def shape_entry(self, mixer: torch.nn.Module) -> dict:
+        return {"heads": mixer.num_heads, "key_heads": mixer.num_heads, "value_dim": mixer.head_dim, "key_dim": mixer.head_dim, "layout": "key_value"}
+
+    def project(self, mixer: torch.nn.Module, hidden_states: torch.Tensor) -> MixerProjections:
         batch, tokens, _ = hidden_states.shape
-        mixed, z, b, a = _gdn_projections(mixer, hidden_states)
-        mixed = runtime.run_conv(layer, mixed.transpose(1, 2)).transpose(1, 2)
-        key_width, value_width = mixer.num_k_heads * mixer.head_k_dim, mixer.num_v_heads * mixer.head_v_dim
-        query, key, value = torch.split(mixed, [key_width, key_width, value_width], dim=-1)
-        shaped = {
-            "v": value.reshape(batch, tokens, mixer.num_v_heads, mixer.head_v_dim),
-            "k": key.reshape(batch, tokens, mixer.num_k_heads, mixer.head_k_dim),
-            "q": query.reshape(batch, tokens, mixer.num_k_heads, mixer.head_k_dim),
-            "a": a.reshape(batch, tokens, mixer.num_v_heads),
-            "b": b.reshape(batch, tokens, mixer.num_v_heads),
-        }
-        core = runtime.run_recurrence(layer, shaped, {"A_log": mixer.A_log, "dt_bias": mixer.dt_bias})
-        core = mixer.norm(core.reshape(-1, mixer.head_v_dim), z.reshape(-1, mixer.head_v_dim))
-        return mixer.out_proj(core.reshape(batch, tokens, -1))
+        mixed = torch.cat([mixer.q_proj(hidden_states), mixer.k_proj(hidden_states), mixer.v_proj(hidden_states)], dim=-1)
+        log_decay = mixer.forget_gate(hidden_states).reshape(batch, tokens, mixer.num_heads, mixer.head_dim)
+        beta = torch.sigmoid(mixer.b_proj(hidden_states)).reshape(batch, tokens, mixer.num_heads)
+        gate = mixer.g_b_proj(mixer.g_a_proj(hidden_states)).reshape(batch, tokens, mixer.num_heads, mixer.head_dim)
+        return MixerProjections(mixed, {"g": log_decay, "beta": beta}, gate)
 
-    return forward
+    def weights(self, mixer: torch.nn.Module) -> dict[str, torch.Tensor]:
+        gate = mixer.forget_gate
+        return {"A_log": gate.A_log.reshape(mixer.num_heads), "dt_bias": gate.dt_bias.reshape(mixer.num_heads, mixer.head_dim)}
+
+    def finish(self, mixer: torch.nn.Module, core: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """core [b, s, H, V] -> [b, s, hidden]: HF's gated RMSNorm and output projection."""
+        batch, tokens = core.shape[:2]
+        return mixer.o_proj(mixer.o_norm(core, gate).reshape(batch, tokens, -1))
 
 
-FAMILIES = (Mamba2Mixers(), GatedDeltaNetMixers())
+FAMILIES = (Mamba2Mixers(), GatedDeltaNetMixers(), KimiDeltaAttentionMixers())
+
+
+def spec_text_with_shapes(spec_name: str, shapes: dict[str, dict], header: str) -> str:
+    """The shipped spec `spec_name`'s text with `shapes` (name -> shape entry) as its shapes section (the last
+    top-level key of every shipped spec), `header` as a comment above it."""
+    text = spec_file(spec_name).read_text()
+    cut = text.find("\nshapes:")
+    if cut < 0 or any(line and not line[0].isspace() and not line.startswith("#") for line in text[cut + 1 :].splitlines()[1:]):
+        raise ReplaygenError(f"{spec_file(spec_name)}: shapes is not its last top-level key, so its shapes cannot be replaced")
+    comment = "".join(f"# {line}\n" for line in header.splitlines())
+    return text[: cut + 1] + comment + yaml.safe_dump({"shapes": shapes}, sort_keys=False, default_flow_style=None)
 
 
 def model_spec(spec_name: str, shapes: dict[str, dict], where: str) -> Spec:
-    """The shipped spec `spec_name` with `shapes` (name -> shape entry) as its only shapes, validated as a spec
-    file is; `where` names the shapes' origin in errors."""
-    path = spec_file(spec_name)
-    data = yaml.safe_load(path.read_text())
-    data["shapes"] = shapes
-    return load_spec_text(yaml.safe_dump(data, sort_keys=False), f"{path} with the shapes of {where}")
+    """The shipped spec `spec_name` with `shapes` as its only shapes, validated as a spec file is; `where` names
+    the shapes' origin in errors."""
+    return load_spec_text(spec_text_with_shapes(spec_name, shapes, where), f"{spec_file(spec_name)} with the shapes of {where}")
 
 
-def recurrent_mixers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, "Mamba2Mixers | GatedDeltaNetMixers"]]:
+def spec_from_config(config, capacity: int = 16, window: int = 4) -> str:
+    """The spec file text for the recurrent layers of an HF config's causal LM: the shipped spec of their family
+    with one shape per distinct layer shape, at ring capacity L and window T (a model of meta tensors is built from
+    the config to find its mixers; nothing is downloaded or allocated)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    mixers = recurrent_mixers(model)
+    if not mixers:
+        raise ReplaygenError(f"{type(model).__name__} ({config.model_type}) has no recurrent mixer replaygen takes")
+    families = {family.spec_name for _, family in mixers}
+    if len(families) > 1:
+        raise ReplaygenError(f"{config.model_type} mixes recurrent families ({', '.join(sorted(families))}): one spec file holds one")
+    family = mixers[0][1]
+    entries = []
+    for mixer, _ in mixers:
+        entry = dict(family.shape_entry(mixer), capacity=capacity, window=window)
+        if entry not in entries:
+            entries.append(entry)
+    base = config.model_type.replace("_", "-")
+    shapes = {base if len(entries) == 1 else f"{base}-{i}": entry for i, entry in enumerate(entries)}
+    layers = ", ".join(str(mixer.layer_idx) for mixer, _ in mixers)
+    return spec_text_with_shapes(family.spec_name, shapes, f"{type(model).__name__} ({config.model_type}): recurrent layers {layers}; written by replaygen spec-from-config")
+
+
+def recurrent_mixers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, "Mamba2Mixers | DeltaRuleMixers"]]:
     """Every recurrent mixer of `model` that a family here takes, in module order."""
     found = []
     for module in model.modules():
@@ -263,12 +359,17 @@ def shape_name(family, mixer: torch.nn.Module, capacity: int, window: int) -> st
     return f"h{entry['heads']}-g{entry['key_heads']}-v{entry['value_dim']}-k{entry['key_dim']}-l{capacity}-t{window}"
 
 
-def attach(model: torch.nn.Module, capacity: int = 16, window: int = 4, configs=None) -> "ReplayRuntime":
+def attach(model: torch.nn.Module, capacity: int = 16, window: int = 4, gpu: str | None = None) -> "ReplayRuntime":
     """A runtime for `model`'s recurrent layers: one module per distinct layer shape, at ring capacity L and
-    speculative window T (`configs`: kernel configs per kind, else the documented defaults)."""
+    speculative window T. With `gpu`, a layer shape that a shipped spec ships (the same sizes, L, T, layout and
+    dtypes) runs that shape's tuned configs of tune/<gpu>/ (its module is the shipped one); every other kernel runs
+    its documented defaults."""
     mixers = recurrent_mixers(model)
     if not mixers:
-        raise ReplaygenError(f"{type(model).__name__} has no recurrent mixer replaygen takes (Mamba-2 mixers of HF's Mamba-2 hybrids; Gated DeltaNet of qwen3_next and qwen3_5)")
+        raise ReplaygenError(
+            f"{type(model).__name__} has no recurrent mixer replaygen takes (the Mamba-2 mixers of HF's Mamba-2 models and hybrids, "
+            "the Gated DeltaNet of qwen3_next and qwen3_5, the Kimi Delta Attention of kimi_linear)"
+        )
     modules: dict[tuple[str, str], ModuleType] = {}
     layers = []
     for mixer, family in mixers:
@@ -276,9 +377,22 @@ def attach(model: torch.nn.Module, capacity: int = 16, window: int = 4, configs=
         if (family.spec_name, name) not in modules:
             entry = dict(family.shape_entry(mixer), capacity=capacity, window=window)
             spec = model_spec(family.spec_name, {name: entry}, f"{type(model).__name__} layer {mixer.layer_idx}")
-            modules[(family.spec_name, name)] = load_kernels(spec, spec.shapes[0], configs)
+            modules[(family.spec_name, name)] = _layer_module(spec, spec.shapes[0], gpu)
         layers.append(RecurrentLayer(mixer.layer_idx, mixer, family, modules[(family.spec_name, name)]))
     return ReplayRuntime(model, tuple(layers), capacity, window)
+
+
+def _layer_module(spec: Spec, shape: TargetShape, gpu: str | None) -> ModuleType:
+    """The module of one layer shape: a shipped shape of the same meaning with its tuned configs for `gpu`, else
+    the documented defaults."""
+    if gpu is not None:
+        shipped = load_spec(spec_file(spec.name))
+        for candidate in shipped.shapes:
+            if replace(candidate, name=shape.name) == shape:
+                gpu = gpu_name(gpu)
+                chosen = resolve_configs(shipped, candidate, gpu, records_dir(Path(shipped.source_file)), allow_default=True)
+                return load_kernels(shipped, candidate, chosen.configs, gpu, chosen.source)
+    return load_kernels(spec, shape)
 
 
 # Draft tokens for speculative decoding: (each sequence's tokens so far, prompt included; how many) -> per sequence
@@ -443,7 +557,7 @@ class DecodeSession:
             counts = torch.full_like(self.slots, accepted)
             layer.module.commit(self.replay[layer.index], self.slots, counts, num_tokens=self.pending)
             self.conv[layer.index].commit(accepted)
-        _crop_attention(self.cache, {layer.index for layer in self.runtime.layers}, self.pending - accepted)
+        _crop_attention(self.cache, self.pending - accepted)
         self.position += accepted
         self.pending = 0
 
@@ -457,17 +571,15 @@ class DecodeSession:
             raise ReplaygenError(f"{what} with a verified window of {self.pending} tokens not committed: commit it first")
 
 
-def _crop_attention(cache, recurrent: set[int], tokens: int) -> None:
-    """Drop the last `tokens` keys and values of every attention layer of HF's `cache` (not of the recurrent ones)."""
-    from transformers.cache_utils import DynamicLayer
+def _crop_attention(cache, tokens: int) -> None:
+    """Drop the last `tokens` keys and values of every attention layer of HF's `cache`, the attention part of a
+    layer that holds a recurrent state beside it (falcon_h1, zamba2) included; recurrent states stay (replaygen's)."""
+    from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
 
-    for index, layer in enumerate(cache.layers):
-        if index in recurrent:
-            if isinstance(layer, DynamicLayer):
-                raise ReplaygenError(f"layer {index} caches attention and a recurrent state in one layer: replaygen cannot crop it")
-            continue
+    for layer in cache.layers:
         if isinstance(layer, DynamicLayer):
-            layer.crop(-tokens)
+            attention = next(c for c in type(layer).__mro__ if issubclass(c, DynamicLayer) and not issubclass(c, LinearAttentionCacheLayerMixin))
+            attention.crop(layer, -tokens)
 
 
 def prompt_lookup_drafts(sequences: list[list[int]], count: int) -> list[list[int]]:
