@@ -164,9 +164,10 @@ def test_speculative_generation_gives_greedy_tokens_in_fewer_steps(name):
 
 
 def test_prompt_lookup_speculation_gives_greedy_tokens():
+    """Prompt-lookup drafts in windows of 2 (one draft): greedy decoding's tokens."""
     model, prompts = _model("bamba"), _prompts()
-    runtime = attach(model, capacity=8, window=4)
-    assert torch.equal(runtime.generate(prompts, 8, draft_tokens=2).tokens, runtime.generate(prompts, 8).tokens)
+    runtime = attach(model, capacity=8, window=2)
+    assert torch.equal(runtime.generate(prompts, 8, draft_tokens=1).tokens, runtime.generate(prompts, 8).tokens)
 
 
 @pytest.mark.parametrize("name", ["nemotron_h", "qwen3_5", "kimi_linear"])
@@ -271,3 +272,37 @@ def test_spec_from_config_writes_a_spec_that_builds(tmp_path):
     transformers.LlamaConfig(**COMMON, **ATTENTION, num_hidden_layers=1, intermediate_size=64).save_pretrained(tmp_path / "llama")
     assert main(["spec-from-config", str(tmp_path / "llama"), "--out", str(tmp_path / "x.yaml")]) == 2
     assert not (tmp_path / "x.yaml").exists()
+
+
+REAL_SIZES = {
+    # Nemotron-H's Mamba-2 mixer (128 heads of 64, 8 groups, state 128) and one attention layer
+    "nemotron_h": lambda: transformers.NemotronHForCausalLM(transformers.NemotronHConfig(
+        vocab_size=1024, hidden_size=4096, num_hidden_layers=3, hybrid_override_pattern="M*M", num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, mamba_num_heads=128, mamba_head_dim=64, n_groups=8, ssm_state_size=128, conv_kernel=4, intermediate_size=1024,
+        eos_token_id=None, pad_token_id=0, bos_token_id=None,
+    )),
+    # Qwen3-Next's Gated DeltaNet (32 value heads, 16 key heads, 128 x 128) and one attention layer
+    "qwen3_next": lambda: transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(
+        vocab_size=1024, hidden_size=2048, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], num_attention_heads=16,
+        num_key_value_heads=2, head_dim=256, linear_num_value_heads=32, linear_num_key_heads=16, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, intermediate_size=1024, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=256, shared_expert_intermediate_size=256, eos_token_id=None, pad_token_id=0, bos_token_id=None,
+    )),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(REAL_SIZES))
+def test_real_layer_sizes_on_the_gpu(name):
+    """Random weights at real layer sizes (float32, batch 4, L=28, T=4 with the shipped -mtp shapes' tuned
+    kernels where the sizes match): greedy tokens as HF's generate, speculation giving them too."""
+    torch.manual_seed(0)
+    model = REAL_SIZES[name]().to("cuda").eval()
+    prompts = torch.randint(1, 1024, (4, 16), generator=torch.Generator().manual_seed(1)).to("cuda")
+    tokens, logits = _hf_greedy(model, prompts)
+    runtime = attach(model, capacity=28, window=4, gpu="h200")
+    ours = runtime.generate(prompts, NEW_TOKENS)
+    assert torch.equal(ours.tokens, tokens)
+    torch.testing.assert_close(ours.logits, logits, atol=2e-3, rtol=2e-3)
+    speculative = runtime.generate(prompts, NEW_TOKENS, draft_tokens=3, drafter=_drafts_right_up_to(tokens, prompts.shape[1]))
+    assert torch.equal(speculative.tokens, tokens)
