@@ -131,14 +131,14 @@ def test_greedy_generation_is_hf_greedy_generation(name):
     assert ours.steps == NEW_TOKENS - 1
 
 
-def _drafts_right_up_to(greedy: torch.Tensor, prompt_length: int):
+def _drafts_right_up_to(greedy: torch.Tensor, prompt_lengths: list[int]):
     """A drafter that proposes greedy decoding's next tokens, but for one wrong draft whose place cycles through the
-    window (every acceptance count from 0 to all occurs)."""
+    window (every acceptance count from 0 to all occurs); the sequences it sees hold their prompts' real tokens."""
 
     def drafter(sequences, count):
         drafts = []
         for row, tokens in enumerate(sequences):
-            done = len(tokens) - prompt_length
+            done = len(tokens) - prompt_lengths[row]
             right = greedy[row, done : done + count].tolist()
             right += [0] * (count - len(right))
             wrong = done % (count + 1)
@@ -157,7 +157,7 @@ def test_speculative_generation_gives_greedy_tokens_in_fewer_steps(name):
     model, prompts = _model(name), _prompts()
     runtime = attach(model, capacity=8, window=4)
     greedy = runtime.generate(prompts, NEW_TOKENS)
-    speculative = runtime.generate(prompts, NEW_TOKENS, draft_tokens=3, drafter=_drafts_right_up_to(greedy.tokens, prompts.shape[1]))
+    speculative = runtime.generate(prompts, NEW_TOKENS, draft_tokens=3, drafter=_drafts_right_up_to(greedy.tokens, [prompts.shape[1]] * 2))
     assert torch.equal(speculative.tokens, greedy.tokens)
     torch.testing.assert_close(speculative.logits, greedy.logits, atol=1e-4, rtol=1e-4)
     assert speculative.steps < (NEW_TOKENS - 1) / 2
@@ -193,6 +193,23 @@ def test_a_rejected_draft_leaves_the_states_as_if_it_never_ran(name):
         torch.testing.assert_close(other_conv, conv, atol=1e-6, rtol=1e-5)  # projections of 1 and 4 tokens: last bits differ
     next_token = window[:, 2]
     torch.testing.assert_close(verified.decode(next_token), stepped.decode(next_token), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["mamba2", "qwen3_next"])
+def test_prompts_of_different_lengths_decode_as_in_hf(name):
+    """Left-padded prompts (lengths 7 and 4) with their attention mask: HF generate's tokens, greedy and speculative."""
+    model, prompts = _model(name), _prompts()
+    mask = torch.ones_like(prompts)
+    mask[1, :3] = 0
+    prompts = prompts.masked_fill(mask == 0, 0)
+    out = model.generate(prompts, attention_mask=mask, max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    runtime = attach(model, capacity=8, window=4)
+    assert torch.equal(runtime.generate(prompts, 16, attention_mask=mask).tokens, out[:, prompts.shape[1] :])
+    drafter = _drafts_right_up_to(out[:, prompts.shape[1] :], mask.sum(dim=1).tolist())
+    speculative = runtime.generate(prompts, 16, draft_tokens=3, drafter=drafter, attention_mask=mask)
+    assert torch.equal(speculative.tokens, out[:, prompts.shape[1] :])
+    with pytest.raises(ValueError, match="padding must be on the left"):
+        runtime.start(prompts, attention_mask=mask.flip(1))
 
 
 def test_a_conv_window_commits_a_prefix_exactly():
@@ -304,5 +321,5 @@ def test_real_layer_sizes_on_the_gpu(name):
     ours = runtime.generate(prompts, NEW_TOKENS)
     assert torch.equal(ours.tokens, tokens)
     torch.testing.assert_close(ours.logits, logits, atol=2e-3, rtol=2e-3)
-    speculative = runtime.generate(prompts, NEW_TOKENS, draft_tokens=3, drafter=_drafts_right_up_to(tokens, prompts.shape[1]))
+    speculative = runtime.generate(prompts, NEW_TOKENS, draft_tokens=3, drafter=_drafts_right_up_to(tokens, [prompts.shape[1]] * 4))
     assert torch.equal(speculative.tokens, tokens)

@@ -448,26 +448,34 @@ class ReplayRuntime:
         finally:
             self.session, self.mode = None, Mode.PREFILL
 
-    def forward(self, tokens: torch.Tensor, cache, position: int) -> torch.Tensor:
-        """Logits [b, s, vocab] of tokens [b, s] at positions position.. (HF's `cache` for attention layers)."""
-        kwargs = {}
-        if self._takes_positions:
-            kwargs["position_ids"] = torch.arange(position, position + tokens.shape[1], device=tokens.device)[None].expand(tokens.shape[0], -1)
-        return self.model(input_ids=tokens, cache=cache, use_cache=True, **kwargs).logits
+    def forward(self, tokens: torch.Tensor, cache, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits [b, s, vocab] of tokens [b, s] with HF's `cache` (for attention layers): `mask` [b, cached + s]
+        (0 at left padding), `positions` [b, s] the tokens' positions."""
+        kwargs = {"position_ids": positions} if self._takes_positions else {}
+        return self.model(input_ids=tokens, attention_mask=mask, cache=cache, use_cache=True, **kwargs).logits
 
     @torch.no_grad()
-    def start(self, input_ids: torch.Tensor) -> "DecodeSession":
-        """Prefill prompts input_ids [b, n] through HF's own path; the session's `logits` [b, vocab] are the last
+    def start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> "DecodeSession":
+        """Prefill prompts input_ids [b, n] through HF's own path; attention_mask [b, n] marks left padding with 0
+        (prompts of different lengths, as HF's generate takes them). The session's `logits` [b, vocab] are the last
         prompt token's."""
         from transformers import DynamicCache
 
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.device, torch.long)
+        if mask.shape != input_ids.shape or bool(((mask != 0) & (mask != 1)).any()):
+            raise ValueError(f"attention_mask must be 0/1 of the prompts' shape {tuple(input_ids.shape)}, got {tuple(mask.shape)}")
+        if bool((mask[:, 1:] < mask[:, :-1]).any()):
+            raise ValueError("attention_mask: padding must be on the left (zeros before every prompt token, none after)")
         cache = DynamicCache(config=self.model.config)
-        logits = self.forward(input_ids, cache, 0)[:, -1]
-        return DecodeSession(self, cache, input_ids, logits)
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        logits = self.forward(input_ids, cache, mask, positions)[:, -1]
+        return DecodeSession(self, cache, mask, positions[:, -1] + 1, logits)
 
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, draft_tokens: int = 0, drafter: Drafter | None = None) -> Generation:
-        """Greedy continuation of prompts input_ids [b, n] by max_new_tokens tokens. With draft_tokens >= 1, each step
+    def generate(
+        self, input_ids: torch.Tensor, max_new_tokens: int, draft_tokens: int = 0, drafter: Drafter | None = None, attention_mask: torch.Tensor | None = None
+    ) -> Generation:
+        """Greedy continuation of prompts input_ids [b, n] (left padding 0 in attention_mask) by max_new_tokens tokens. With draft_tokens >= 1, each step
         verifies the last token and draft_tokens drafts per sequence (`drafter`, default `prompt_lookup_drafts`) in
         one window and keeps the longest prefix that greedy decoding would have produced (the shortest of the batch's
         rows): the tokens are greedy decoding's, in fewer steps where drafts are right."""
@@ -475,9 +483,10 @@ class ReplayRuntime:
             raise ValueError(f"draft_tokens={draft_tokens}: a window holds the last token and at most {self.window - 1} drafts (window {self.window})")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens}: generate at least one token")
-        session = self.start(input_ids)
+        session = self.start(input_ids, attention_mask)
         scores = [session.logits[:, None]]
-        history = [row + [token] for row, token in zip(input_ids.tolist(), session.logits.argmax(-1).tolist())]
+        prompts = [[t for t, keep in zip(row, kept) if keep] for row, kept in zip(input_ids.tolist(), session.mask.tolist())]
+        history = [row + [token] for row, token in zip(prompts, session.logits.argmax(-1).tolist())]
         count, steps = 1, 0
         while count < max_new_tokens:
             last = scores[-1][:, -1].argmax(-1)
@@ -503,13 +512,14 @@ class DecodeSession:
     """A batch of sequences after their prompts: per recurrent layer a replay state and a conv window, HF's cache
     for the attention layers. `decode` one token per sequence, or `verify` a window and `commit` its prefix."""
 
-    def __init__(self, runtime: ReplayRuntime, cache, input_ids: torch.Tensor, logits: torch.Tensor):
+    def __init__(self, runtime: ReplayRuntime, cache, mask: torch.Tensor, positions: torch.Tensor, logits: torch.Tensor):
         self.runtime = runtime
         self.cache = cache
+        self.mask = mask  # [b, cached tokens]: 0 at left padding
+        self.positions = positions  # [b]: the next token's position per sequence
         self.logits = logits
-        self.position = input_ids.shape[1]
         self.pending = 0  # tokens of a verified window that wait for `commit`
-        batch, device = input_ids.shape[0], input_ids.device
+        batch, device = mask.shape[0], mask.device
         dtype = next(runtime.model.parameters()).dtype
         self.slots = torch.arange(batch, dtype=torch.int32, device=device)
         self.replay, self.conv = {}, {}
@@ -528,10 +538,10 @@ class DecodeSession:
         """Logits [b, vocab] after one more token per sequence, tokens [b]."""
         self._check_no_pending("decode")
         with self.runtime.stepping(self, Mode.DECODE):
-            logits = self.runtime.forward(tokens[:, None], self.cache, self.position)[:, 0]
+            logits = self.runtime.forward(tokens[:, None], self.cache, *self._extended(1))[:, 0]
         for window in self.conv.values():
             window.commit(1)
-        self.position += 1
+        self._keep(1)
         return logits
 
     @torch.no_grad()
@@ -542,7 +552,7 @@ class DecodeSession:
         if not 1 <= window.shape[1] <= self.runtime.window:
             raise ValueError(f"a window of {window.shape[1]} tokens: verify takes 1..{self.runtime.window}")
         with self.runtime.stepping(self, Mode.VERIFY):
-            logits = self.runtime.forward(window, self.cache, self.position)
+            logits = self.runtime.forward(window, self.cache, *self._extended(window.shape[1]))
         self.pending = window.shape[1]
         return logits
 
@@ -558,13 +568,22 @@ class DecodeSession:
             layer.module.commit(self.replay[layer.index], self.slots, counts, num_tokens=self.pending)
             self.conv[layer.index].commit(accepted)
         _crop_attention(self.cache, self.pending - accepted)
-        self.position += accepted
+        self._keep(accepted)
         self.pending = 0
 
     def states(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Per recurrent layer index: its states [b, *STATE_SHAPE] (materialized) and conv inputs [b, channels, W - 1]."""
         self._check_no_pending("states")
         return {layer.index: (layer.module.materialize(self.replay[layer.index], self.slots), self.conv[layer.index].history) for layer in self.runtime.layers}
+
+    def _extended(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention mask [b, cached + tokens] and positions [b, tokens] of `tokens` more tokens per sequence."""
+        ones = torch.ones((self.mask.shape[0], tokens), dtype=self.mask.dtype, device=self.mask.device)
+        return torch.cat([self.mask, ones], dim=1), self.positions[:, None] + torch.arange(tokens, device=self.mask.device)
+
+    def _keep(self, tokens: int) -> None:
+        self.mask = self._extended(tokens)[0]
+        self.positions = self.positions + tokens
 
     def _check_no_pending(self, what: str) -> None:
         if self.pending:
