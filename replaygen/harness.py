@@ -15,7 +15,7 @@ from types import ModuleType
 import torch
 
 from replaygen.plan import api_tensors
-from replaygen.reference import Reference
+from replaygen.reference import Reference, conv_reference
 from replaygen.spec.model import CacheField, DType, Spec, TargetShape, VectorTransform
 from replaygen.traffic import verify_flush_period
 
@@ -396,9 +396,63 @@ def check_speculative_through_flushes(
     )
 
 
+def check_conv(module: ModuleType, spec: Spec, shape: TargetShape, *, device: str | torch.device, act_dtype: torch.dtype, batch: int, steps: int, seed: int = 0) -> CheckReport:
+    """The spec's conv (a module of a spec with `conv:`) against the float64 conv: rows join at different steps from
+    loaded inputs, row 1 sits some steps out (padding), each step is a decode step or a window with random
+    acceptance per row; outputs, and every slot's committed inputs (`materialize_conv`), compared; unused slots
+    poisoned and checked untouched."""
+    gen = torch.Generator().manual_seed(seed)
+    schedule = Schedule(batch, shape.window + 1, gen)
+    channels, width = module._CONV_CHANNELS, spec.conv.width
+
+    def rand(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=gen).to(device, act_dtype)
+
+    weight = torch.randn(channels, width, generator=gen).to(device)
+    bias = torch.randn(channels, generator=gen).to(device)
+    state = module.allocate_conv(schedule.num_slots, device, act_dtype)
+    _poison(state.ring, schedule.unused)
+    _poison(state.cursor, schedule.unused)
+    expected: dict[int, torch.Tensor] = {}
+    errors = KernelErrors()
+    for step in range(steps):
+        joining = schedule.joining(step)
+        if joining:
+            history = rand(len(joining), channels, width - 1)
+            module.load_conv(state, torch.tensor(joining, dtype=torch.int32, device=device), history)
+            expected.update({slot: history[i].to("cpu", torch.float64) for i, slot in enumerate(joining)})
+        slots = schedule.slots(step)
+        rows = [r for r, slot in enumerate(slots) if slot >= 0]
+        if not rows:
+            continue
+        slot_tensor = torch.tensor(slots, dtype=torch.int32, device=device)
+        tokens = 1 + step % shape.window if step % 2 else 1
+        inputs = rand(batch, tokens, channels)
+        before = torch.stack([expected[slots[r]] for r in rows])
+        want, _ = conv_reference(before, inputs[rows].cpu(), weight.cpu(), bias.cpu(), spec.conv)
+        if step % 2:
+            out = module.conv(state, slot_tensor, inputs, weight, bias)
+            accepted = torch.randint(0, tokens + 1, (batch,), generator=gen, dtype=torch.int32)
+            module.commit_conv(state, slot_tensor, accepted.to(device), num_tokens=tokens)
+            errors.record("conv window", relative_error(out[rows], want), step)
+        else:
+            out = module.conv(state, slot_tensor, inputs[:, 0], weight, bias)
+            accepted = torch.ones(batch, dtype=torch.int32)
+            errors.record("conv", relative_error(out[rows], want[:, 0]), step)
+        for i, r in enumerate(rows):
+            kept = inputs[r, : int(accepted[r])].to("cpu", torch.float64).T
+            expected[slots[r]] = torch.cat([before[i], kept], dim=-1)[:, -(width - 1) :]
+        live = sorted(expected)
+        committed = module.materialize_conv(state, torch.tensor(live, dtype=torch.int32, device=device))
+        errors.record("materialize_conv", relative_error(committed, torch.stack([expected[slot] for slot in live])), step)
+    untouched = [f"{name} of unused slots {schedule.unused}" for name, tensor in (("conv ring", state.ring), ("conv cursor", state.cursor)) if not _still_poisoned(tensor, schedule.unused)]
+    return CheckReport("conv (decode steps and windows)", steps, TOLERANCE[act_dtype], TOLERANCE[act_dtype], errors.worst, tuple(untouched))
+
+
 def check_module(module: ModuleType, spec: Spec, shape: TargetShape, *, device: str | torch.device, act_dtype: torch.dtype, batch: int, cycles: int) -> list[CheckReport]:
     """`replaygen check`'s scenarios for one module: decode on both routes over `cycles` flush cycles, speculative
-    verify + commit with random and full acceptance, and verify windows mixed with decode steps."""
+    verify + commit with random and full acceptance, verify windows mixed with decode steps, and the conv where the
+    spec has one."""
     reports = [
         check_decode(module, spec, shape, device=device, act_dtype=act_dtype, batch=batch, cycles=cycles, route=route)
         for route in ("output_only", "state_and_output")
@@ -406,4 +460,6 @@ def check_module(module: ModuleType, spec: Spec, shape: TargetShape, *, device: 
     steps = cycles * max(2, shape.capacity // shape.window)
     reports += [check_speculative(module, spec, shape, device=device, act_dtype=act_dtype, batch=batch, steps=steps, accept=accept) for accept in ("random", "all")]
     reports.append(check_speculative(module, spec, shape, device=device, act_dtype=act_dtype, batch=batch, steps=steps, mixed=True))
+    if spec.conv is not None:
+        reports.append(check_conv(module, spec, shape, device=device, act_dtype=act_dtype, batch=batch, steps=4 * shape.window * cycles))
     return reports

@@ -12,6 +12,8 @@ from replaygen.configs import MIN_DOT, BucketConfig, KernelKind, validate_config
 from replaygen.errors import UnsupportedShapeError
 from replaygen.spec.model import (
     CacheField,
+    ConvActivation,
+    ConvChannels,
     DecayForm,
     DecayGranularity,
     DType,
@@ -106,6 +108,30 @@ STOCHASTIC_GRIDS = {DType.FLOAT16: StochasticGrid(10, 113), DType.BFLOAT16: Stoc
 
 
 @dataclass(frozen=True)
+class ConvPlan:
+    """The conv kernel of a spec with a conv: packed channels [CHANNELS], a ring of the last W - 1 + T pre-conv
+    inputs per slot, and one cursor copy per block of BLOCK_C channels (each program owns its own)."""
+
+    width: int
+    silu: bool
+    channels: int  # C: the packed channels (value H * P, key and query G * N each, in the spec's order)
+    layout: str  # the packed order, e.g. "x (H*P), B (G*N), C (G*N)"
+    ring: int  # W - 1 + T positions per channel
+    block_c: int
+    num_warps: int
+
+    @property
+    def cursor_blocks(self) -> int:
+        return -(-self.channels // self.block_c)
+
+
+# The conv kernel's launch: it moves a few bytes per channel and token (reads W - 1 + T, writes T), so wide blocks of
+# channels and no tuning; a spec's conv kernels take these.
+CONV_BLOCK_C = 256
+CONV_NUM_WARPS = 4
+
+
+@dataclass(frozen=True)
 class ModulePlan:
     spec: Spec
     shape: TargetShape
@@ -142,6 +168,7 @@ class ModulePlan:
     weights: tuple[TensorArg, ...]
     buffers: tuple[BufferField, ...]
     state_identity: str  # what a replay state's buffers mean (see state_identity)
+    conv: ConvPlan | None = None  # the conv kernel, where the spec has a conv
 
     @property
     def module_name(self) -> str:
@@ -206,6 +233,31 @@ def plan_module(
         weights=weights,
         buffers=buffers(spec, shape),
         state_identity=state_identity(spec, shape),
+        conv=conv_plan(spec, shape),
+    )
+
+
+def conv_plan(spec: Spec, shape: TargetShape) -> ConvPlan | None:
+    """The conv kernel's sizes: the packed channels of the inputs that pass through the conv, in the spec's order."""
+    conv = spec.conv
+    if conv is None:
+        return None
+    d = spec.dims
+    sizes = {
+        ConvChannels.VALUE: (spec.inputs.value, f"{d.heads}*{d.value_dim}", shape.heads * shape.value_dim),
+        ConvChannels.KEY: (spec.inputs.key, f"{d.key_heads}*{d.key_dim}", shape.key_heads * shape.key_dim),
+        ConvChannels.QUERY: (spec.inputs.query, f"{d.key_heads}*{d.key_dim}", shape.key_heads * shape.key_dim),
+    }
+    channels = sum(sizes[c][2] for c in conv.channels)
+    layout = ", ".join(f"{sizes[c][0]} ({sizes[c][1]})" for c in conv.channels)
+    return ConvPlan(
+        width=conv.width,
+        silu=conv.activation is ConvActivation.SILU,
+        channels=channels,
+        layout=layout,
+        ring=conv.width - 1 + shape.window,
+        block_c=min(CONV_BLOCK_C, _next_pow2(channels)),
+        num_warps=CONV_NUM_WARPS,
     )
 
 

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from replaygen.spec.model import (
+    Conv,
+    ConvActivation,
     DecayForm,
     DecayGranularity,
     QueryScale,
@@ -158,3 +160,13 @@ def _transform(t: torch.Tensor, transform: VectorTransform, eps: float) -> torch
     if transform is VectorTransform.L2NORM:
         return t / torch.sqrt((t * t).sum(-1, keepdim=True) + eps)
     return t
+
+
+def conv_reference(history: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv: Conv) -> tuple[torch.Tensor, torch.Tensor]:
+    """The spec's causal depthwise conv in float64: history [n, C, W - 1] (oldest first) and inputs [n, s, C] ->
+    (outputs [n, s, C], the last W - 1 inputs [n, C, W - 1] after them)."""
+    full = torch.cat([history.to(F64), inputs.to(F64).transpose(1, 2)], dim=-1)
+    out = F.conv1d(full, weight.to(F64)[:, None], None if bias is None else bias.to(F64), groups=weight.shape[0])
+    if conv.activation is ConvActivation.SILU:
+        out = F.silu(out)
+    return out.transpose(1, 2), full[..., -(conv.width - 1) :]

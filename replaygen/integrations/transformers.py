@@ -1,15 +1,16 @@
 """Hugging Face transformers models whose recurrent layers decode through generated replay modules.
 
     runtime = attach(model, capacity=16, window=4)      # one generated module per recurrent layer shape
-    tokens = runtime.generate(input_ids, 32)            # greedy decoding through the replay kernels
-    tokens = runtime.generate(input_ids, 32, draft_tokens=3)   # prompt-lookup speculation, windows of 4
+    out = runtime.generate(input_ids, 32)               # greedy decoding through the replay kernels
+    out = runtime.generate(input_ids, 32, draft_tokens=3)   # prompt-lookup speculation, windows of 4
 
 The prompt runs through HF's own path (its chunked scan) into an HF cache; each recurrent layer's final state then
-seeds its replay state (`load`) and its last conv inputs seed its `ConvWindow`. Every later token keeps HF's
-projections, gates, norms and output projections; the short causal conv1d runs in `ConvWindow` and the recurrence in
-the generated module: `decode` per token, or `verify` of a window and `commit` of its accepted prefix. A rejected
-draft costs nothing to undo: the replay state's cursor and the conv window keep only the accepted tokens, and the
-attention layers' KV cache (HF's) is cropped by the rejected ones.
+seeds its replay state (`load`) and its last conv inputs its conv state (`load_conv`). Every later token keeps HF's
+projections, gates, norms and output projections; the short causal conv1d and the recurrence run in the generated
+module (its spec carries the mixer's conv): `conv` and `decode` per token, or `conv` and `verify` of a window and
+`commit_conv` and `commit` of its accepted prefix. A rejected draft costs nothing to undo: the replay state's and the
+conv state's cursors keep only the accepted tokens, and the attention layers' KV cache (HF's) is cropped by the
+rejected ones.
 
 HF's Mamba-2 mixers (mamba2, nemotron_h, bamba, falcon_h1, granitemoehybrid, zamba2) call two functions of their
 modeling module, `causal_conv1d_forward` and `mamba2_scan_forward` (HF's points for a runtime that keeps the state
@@ -26,11 +27,9 @@ import inspect
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from pathlib import Path
 from types import MethodType, ModuleType
 
 import torch
-import torch.nn.functional as F
 import yaml
 
 from replaygen.errors import ReplaygenError
@@ -45,44 +44,6 @@ class Mode(enum.Enum):
     PREFILL = "prefill"  # HF's own path, into its cache
     DECODE = "decode"  # one token per sequence: `decode`
     VERIFY = "verify"  # a window of tokens per sequence: `verify`, then `commit`
-
-
-class ConvWindow:
-    """The short causal depthwise conv1d of one layer for `batch` sequences, with its inputs kept for rollback.
-
-    `history` [batch, channels, W - 1] holds the last committed pre-conv inputs; `step` convolves new inputs
-    [batch, channels, s] behind it without changing it; `commit(n)` keeps the first n of them. A window whose
-    tokens are rejected leaves the history as if it never ran."""
-
-    def __init__(self, conv1d: torch.nn.Conv1d, activation: str | None, history: torch.Tensor):
-        self.weight = conv1d.weight  # [channels, 1, W]
-        self.bias = conv1d.bias
-        self.activation = activation
-        self.history = history.contiguous()
-        self.pending: torch.Tensor | None = None
-
-    def step(self, x: torch.Tensor) -> torch.Tensor:
-        """Conv outputs [batch, channels, s] of inputs x [batch, channels, s] after the history; x is pending."""
-        full = torch.cat([self.history, x], dim=-1).to(self.weight.dtype)
-        out = F.conv1d(full, self.weight, self.bias, groups=self.weight.shape[0])
-        if self.activation is not None:
-            out = _activation(self.activation)(out)
-        self.pending = x
-        return out.to(x.dtype)
-
-    def commit(self, accepted: int) -> None:
-        """Keep the first `accepted` pending inputs of the last `step`."""
-        if self.pending is None:
-            raise ReplaygenError("ConvWindow.commit without a step before it")
-        width = self.history.shape[-1]
-        self.history = torch.cat([self.history, self.pending[..., :accepted]], dim=-1)[..., -width:].contiguous()
-        self.pending = None
-
-
-def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    from transformers.activations import ACT2FN
-
-    return ACT2FN[name]
 
 
 @dataclass(frozen=True)
@@ -111,8 +72,9 @@ class Mamba2Mixers:
     def shape_entry(self, mixer: torch.nn.Module) -> dict:
         return {"heads": mixer.num_heads, "key_heads": mixer.n_groups, "value_dim": mixer.head_dim, "key_dim": mixer.ssm_state_size}
 
-    def conv_activation(self, mixer: torch.nn.Module) -> str | None:
-        return mixer.activation
+    def conv_channels(self) -> tuple[str, ...]:
+        """How the mixer packs its conv's channels: x, then B, then C."""
+        return ("value", "key", "query")
 
     @contextlib.contextmanager
     def decoding(self, runtime: "ReplayRuntime", layers: tuple[RecurrentLayer, ...]) -> Iterator[None]:
@@ -153,7 +115,7 @@ def _intercept_conv(runtime: "ReplayRuntime", convs: dict, original: Callable) -
         layer = convs.get(id(conv1d))
         if layer is None:
             return original(conv1d, hidden_states, cache, layer_idx, activation=activation, **kwargs)
-        return runtime.run_conv(layer, hidden_states)
+        return runtime.run_conv(layer, hidden_states.transpose(1, 2)).transpose(1, 2)
 
     return causal_conv1d_forward
 
@@ -181,7 +143,7 @@ class MixerProjections:
 class DeltaRuleMixers:
     """HF's delta-rule mixers (Gated DeltaNet, Kimi Delta Attention), whose recurrence call has no point to replace:
     while a runtime decodes, each mixer's forward is `_delta_rule_forward`: the family's projections (HF's modules),
-    the conv window, the recurrence of the generated module, HF's gated norm and output projection. States are HF's
+    the generated module's conv and recurrence, HF's gated norm and output projection. States are HF's
     [heads, key_dim, value_dim] (the specs' key_value layout)."""
 
     spec_name: str
@@ -190,8 +152,9 @@ class DeltaRuleMixers:
     def accepts(self, mixer: torch.nn.Module) -> bool:
         return all(hasattr(mixer, name) for name in self.required)
 
-    def conv_activation(self, mixer: torch.nn.Module) -> str | None:
-        return mixer.activation
+    def conv_channels(self) -> tuple[str, ...]:
+        """How the mixer packs its conv's channels: q, then k, then v."""
+        return ("query", "key", "value")
 
     @contextlib.contextmanager
     def decoding(self, runtime: "ReplayRuntime", layers: tuple[RecurrentLayer, ...]) -> Iterator[None]:
@@ -210,7 +173,7 @@ def _delta_rule_forward(runtime: "ReplayRuntime", layer: RecurrentLayer) -> Call
     def forward(mixer, hidden_states, cache=None, attention_mask=None, **kwargs):
         batch, tokens, _ = hidden_states.shape
         projected = family.project(mixer, hidden_states)
-        mixed = runtime.run_conv(layer, projected.conv_inputs.transpose(1, 2)).transpose(1, 2)
+        mixed = runtime.run_conv(layer, projected.conv_inputs)
         heads, key_heads, value_dim, key_dim = (family.shape_entry(mixer)[k] for k in ("heads", "key_heads", "value_dim", "key_dim"))
         query, key, value = torch.split(mixed, [key_heads * key_dim, key_heads * key_dim, heads * value_dim], dim=-1)
         inputs = {
@@ -300,21 +263,30 @@ class KimiDeltaAttentionMixers(DeltaRuleMixers):
 FAMILIES = (Mamba2Mixers(), GatedDeltaNetMixers(), KimiDeltaAttentionMixers())
 
 
-def spec_text_with_shapes(spec_name: str, shapes: dict[str, dict], header: str) -> str:
-    """The shipped spec `spec_name`'s text with `shapes` (name -> shape entry) as its shapes section (the last
-    top-level key of every shipped spec), `header` as a comment above it."""
+def spec_text_with_shapes(spec_name: str, conv: dict, shapes: dict[str, dict], header: str) -> str:
+    """The shipped spec `spec_name`'s text with a model's `conv` section and `shapes` (name -> shape entry) as its
+    shapes (the last top-level key of every shipped spec), `header` as a comment above them."""
     text = spec_file(spec_name).read_text()
     cut = text.find("\nshapes:")
     if cut < 0 or any(line and not line[0].isspace() and not line.startswith("#") for line in text[cut + 1 :].splitlines()[1:]):
         raise ReplaygenError(f"{spec_file(spec_name)}: shapes is not its last top-level key, so its shapes cannot be replaced")
     comment = "".join(f"# {line}\n" for line in header.splitlines())
-    return text[: cut + 1] + comment + yaml.safe_dump({"shapes": shapes}, sort_keys=False, default_flow_style=None)
+    sections = yaml.safe_dump({"conv": conv}, default_flow_style=None) + "\n" + yaml.safe_dump({"shapes": shapes}, sort_keys=False, default_flow_style=None)
+    return text[: cut + 1] + comment + sections
 
 
-def model_spec(spec_name: str, shapes: dict[str, dict], where: str) -> Spec:
-    """The shipped spec `spec_name` with `shapes` as its only shapes, validated as a spec file is; `where` names
-    the shapes' origin in errors."""
-    return load_spec_text(spec_text_with_shapes(spec_name, shapes, where), f"{spec_file(spec_name)} with the shapes of {where}")
+def model_spec(spec_name: str, conv: dict, shapes: dict[str, dict], where: str) -> Spec:
+    """The shipped spec `spec_name` with a model's conv and `shapes` as its only shapes, validated as a spec file
+    is; `where` names the shapes' origin in errors."""
+    return load_spec_text(spec_text_with_shapes(spec_name, conv, shapes, where), f"{spec_file(spec_name)} with the shapes of {where}")
+
+
+def mixer_conv(family, mixer: torch.nn.Module) -> dict:
+    """The spec's conv section for a mixer's conv1d: its width, activation and how it packs its channels."""
+    activations = {"silu": "silu", "swish": "silu", None: "none"}
+    if mixer.activation not in activations:
+        raise ReplaygenError(f"layer {mixer.layer_idx}: its conv's activation {mixer.activation!r} is not one a spec's conv has (silu or none)")
+    return {"width": mixer.conv1d.kernel_size[0], "activation": activations[mixer.activation], "channels": list(family.conv_channels())}
 
 
 def spec_from_config(config, capacity: int = 16, window: int = 4) -> str:
@@ -332,6 +304,9 @@ def spec_from_config(config, capacity: int = 16, window: int = 4) -> str:
     if len(families) > 1:
         raise ReplaygenError(f"{config.model_type} mixes recurrent families ({', '.join(sorted(families))}): one spec file holds one")
     family = mixers[0][1]
+    convs = {str(mixer_conv(family, mixer)) for mixer, _ in mixers}
+    if len(convs) > 1:
+        raise ReplaygenError(f"{config.model_type}'s recurrent layers have different convs ({'; '.join(sorted(convs))}): one spec file holds one")
     entries = []
     for mixer, _ in mixers:
         entry = dict(family.shape_entry(mixer), capacity=capacity, window=window)
@@ -340,7 +315,8 @@ def spec_from_config(config, capacity: int = 16, window: int = 4) -> str:
     base = config.model_type.replace("_", "-")
     shapes = {base if len(entries) == 1 else f"{base}-{i}": entry for i, entry in enumerate(entries)}
     layers = ", ".join(str(mixer.layer_idx) for mixer, _ in mixers)
-    return spec_text_with_shapes(family.spec_name, shapes, f"{type(model).__name__} ({config.model_type}): recurrent layers {layers}; written by replaygen spec-from-config")
+    header = f"{type(model).__name__} ({config.model_type}): recurrent layers {layers}; written by replaygen spec-from-config"
+    return spec_text_with_shapes(family.spec_name, mixer_conv(family, mixers[0][0]), shapes, header)
 
 
 def recurrent_mixers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, "Mamba2Mixers | DeltaRuleMixers"]]:
@@ -356,7 +332,7 @@ def recurrent_mixers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, "Mam
 
 def shape_name(family, mixer: torch.nn.Module, capacity: int, window: int) -> str:
     entry = family.shape_entry(mixer)
-    return f"h{entry['heads']}-g{entry['key_heads']}-v{entry['value_dim']}-k{entry['key_dim']}-l{capacity}-t{window}"
+    return f"h{entry['heads']}-g{entry['key_heads']}-v{entry['value_dim']}-k{entry['key_dim']}-l{capacity}-t{window}-w{mixer.conv1d.kernel_size[0]}"
 
 
 def attach(model: torch.nn.Module, capacity: int = 16, window: int = 4, gpu: str | None = None) -> "ReplayRuntime":
@@ -375,24 +351,25 @@ def attach(model: torch.nn.Module, capacity: int = 16, window: int = 4, gpu: str
     for mixer, family in mixers:
         name = shape_name(family, mixer, capacity, window)
         if (family.spec_name, name) not in modules:
-            entry = dict(family.shape_entry(mixer), capacity=capacity, window=window)
-            spec = model_spec(family.spec_name, {name: entry}, f"{type(model).__name__} layer {mixer.layer_idx}")
-            modules[(family.spec_name, name)] = _layer_module(spec, spec.shapes[0], gpu)
+            modules[(family.spec_name, name)] = _layer_module(family, mixer, name, capacity, window, gpu, f"{type(model).__name__} layer {mixer.layer_idx}")
         layers.append(RecurrentLayer(mixer.layer_idx, mixer, family, modules[(family.spec_name, name)]))
     return ReplayRuntime(model, tuple(layers), capacity, window)
 
 
-def _layer_module(spec: Spec, shape: TargetShape, gpu: str | None) -> ModuleType:
-    """The module of one layer shape: a shipped shape of the same meaning with its tuned configs for `gpu`, else
-    the documented defaults."""
+def _layer_module(family, mixer: torch.nn.Module, name: str, capacity: int, window: int, gpu: str | None, where: str) -> ModuleType:
+    """The module of one layer shape with the mixer's conv: where `gpu` is given and a shipped spec ships a shape of
+    the same meaning, that shape with its tuned configs (the conv adds functions only, so the records' kernels are
+    the module's); else the documented defaults."""
+    entry = dict(family.shape_entry(mixer), capacity=capacity, window=window)
+    conv = mixer_conv(family, mixer)
+    spec = model_spec(family.spec_name, conv, {name: entry}, where)
     if gpu is not None:
-        shipped = load_spec(spec_file(spec.name))
-        for candidate in shipped.shapes:
-            if replace(candidate, name=shape.name) == shape:
-                gpu = gpu_name(gpu)
-                chosen = resolve_configs(shipped, candidate, gpu, records_dir(Path(shipped.source_file)), allow_default=True)
-                return load_kernels(shipped, candidate, chosen.configs, gpu, chosen.source)
-    return load_kernels(spec, shape)
+        for candidate in load_spec(spec_file(family.spec_name)).shapes:
+            if replace(candidate, name=name) == spec.shapes[0]:
+                spec = model_spec(family.spec_name, conv, {candidate.name: entry}, where)
+                chosen = resolve_configs(spec, spec.shapes[0], gpu_name(gpu), records_dir(spec_file(family.spec_name)), allow_default=True)
+                return load_kernels(spec, spec.shapes[0], chosen.configs, gpu_name(gpu), chosen.source)
+    return load_kernels(spec, spec.shapes[0])
 
 
 # Draft tokens for speculative decoding: (each sequence's tokens so far, prompt included; how many) -> per sequence
@@ -424,9 +401,14 @@ class ReplayRuntime:
         self._takes_positions = "position_ids" in inspect.signature(model.forward).parameters
 
     # --- what the intercepted functions call ------------------------------------------------------------------
-    def run_conv(self, layer: RecurrentLayer, hidden_states: torch.Tensor) -> torch.Tensor:
-        """The conv of `layer` on [b, channels, s] pre-conv inputs, after the session's committed ones."""
-        return self.session.conv[layer.index].step(hidden_states)
+    def run_conv(self, layer: RecurrentLayer, inputs: torch.Tensor) -> torch.Tensor:
+        """The conv of `layer` on pre-conv inputs [b, s, channels] after the session's committed ones (kept at once
+        in decode, by `commit` in verify) -> [b, s, channels]."""
+        conv1d, state, slots = layer.mixer.conv1d, self.session.conv[layer.index], self.session.slots
+        weight = conv1d.weight[:, 0]
+        if self.mode is Mode.DECODE:
+            return layer.module.conv(state, slots, inputs[:, 0].contiguous(), weight, conv1d.bias)[:, None]
+        return layer.module.conv(state, slots, inputs.contiguous(), weight, conv1d.bias)
 
     def run_recurrence(self, layer: RecurrentLayer, inputs: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> torch.Tensor:
         """The recurrence of `layer` on inputs [b, s, ...] -> [b, s, heads, value_dim]: decode (s = 1) or verify."""
@@ -509,7 +491,7 @@ class ReplayRuntime:
 
 
 class DecodeSession:
-    """A batch of sequences after their prompts: per recurrent layer a replay state and a conv window, HF's cache
+    """A batch of sequences after their prompts: per recurrent layer a replay state and a conv state, HF's cache
     for the attention layers. `decode` one token per sequence, or `verify` a window and `commit` its prefix."""
 
     def __init__(self, runtime: ReplayRuntime, cache, mask: torch.Tensor, positions: torch.Tensor, logits: torch.Tensor):
@@ -530,8 +512,9 @@ class DecodeSession:
             state = layer.module.allocate(batch, device, dtype)
             layer.module.load(state, self.slots, recurrent.to(torch.float32).contiguous())
             self.replay[layer.index] = state
-            width = layer.mixer.conv1d.kernel_size[0] - 1
-            self.conv[layer.index] = ConvWindow(layer.mixer.conv1d, layer.family.conv_activation(layer.mixer), conv_state[..., -width:].to(dtype))
+            conv = layer.module.allocate_conv(batch, device, dtype)
+            layer.module.load_conv(conv, self.slots, conv_state[..., -(layer.mixer.conv1d.kernel_size[0] - 1) :].to(dtype))
+            self.conv[layer.index] = conv
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -539,8 +522,6 @@ class DecodeSession:
         self._check_no_pending("decode")
         with self.runtime.stepping(self, Mode.DECODE):
             logits = self.runtime.forward(tokens[:, None], self.cache, *self._extended(1))[:, 0]
-        for window in self.conv.values():
-            window.commit(1)
         self._keep(1)
         return logits
 
@@ -558,7 +539,7 @@ class DecodeSession:
 
     def commit(self, accepted: int) -> None:
         """Keep the first `accepted` tokens (1..T, the same for every sequence) of the last verified window: the
-        replay cursors move, the conv windows keep those inputs, the attention layers drop the others' KV."""
+        replay and conv cursors move past those tokens, the attention layers drop the others' KV."""
         if not self.pending:
             raise ReplaygenError("commit without a verify before it")
         if not 1 <= accepted <= self.pending:
@@ -566,7 +547,7 @@ class DecodeSession:
         for layer in self.runtime.layers:
             counts = torch.full_like(self.slots, accepted)
             layer.module.commit(self.replay[layer.index], self.slots, counts, num_tokens=self.pending)
-            self.conv[layer.index].commit(accepted)
+            layer.module.commit_conv(self.conv[layer.index], self.slots, counts, num_tokens=self.pending)
         _crop_attention(self.cache, self.pending - accepted)
         self._keep(accepted)
         self.pending = 0
@@ -574,7 +555,10 @@ class DecodeSession:
     def states(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Per recurrent layer index: its states [b, *STATE_SHAPE] (materialized) and conv inputs [b, channels, W - 1]."""
         self._check_no_pending("states")
-        return {layer.index: (layer.module.materialize(self.replay[layer.index], self.slots), self.conv[layer.index].history) for layer in self.runtime.layers}
+        return {
+            layer.index: (layer.module.materialize(self.replay[layer.index], self.slots), layer.module.materialize_conv(self.conv[layer.index], self.slots))
+            for layer in self.runtime.layers
+        }
 
     def _extended(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The attention mask [b, cached + tokens] and positions [b, tokens] of `tokens` more tokens per sequence."""

@@ -19,6 +19,9 @@ from replaygen.spec.model import (
     ACTIVATION,
     CacheField,
     CachedField,
+    Conv,
+    ConvActivation,
+    ConvChannels,
     Decay,
     DecayForm,
     DecayGranularity,
@@ -48,6 +51,7 @@ MAX_CAPACITY = 64
 MAX_KEY_DIM = 256
 MAX_VALUE_DIM = 512
 MAX_WINDOW = 16
+MAX_CONV_WIDTH = 8
 SPEC_NAME = re.compile(r"[a-z][a-z0-9_]*")  # matched whole (fullmatch), as SHAPE_NAME
 SHAPE_NAME = re.compile(r"[a-z0-9][a-z0-9.-]*")
 # The parameters the generated API functions take beside the spec's inputs and weights (decode, baseline_decode,
@@ -185,7 +189,7 @@ class _SpecBuilder:
         top = _Map(
             self.root,
             required={"spec_version", "name", "inputs", "decay", "update", "readout", "state", "activations", "replay", "shapes"},
-            optional={"description", "dims", "key", "query"},
+            optional={"description", "dims", "key", "query", "conv"},
         )
         version = _int(top["spec_version"], 1, 10**6)
         if version != SPEC_VERSION:
@@ -206,6 +210,7 @@ class _SpecBuilder:
         activations = self._activations(top["activations"])
         cache, capacity, window = self._replay(top["replay"], update, decay)
         shapes = self._shapes(top["shapes"], inputs, capacity, window, state, cache)
+        conv = self._conv(top.get("conv"))
         return Spec(
             name=name,
             description=description,
@@ -222,7 +227,22 @@ class _SpecBuilder:
             shapes=shapes,
             source_file=self.root.file,
             source_sha256=self.sha256,
+            conv=conv,
         )
+
+    def _conv(self, node: Node | None) -> Conv | None:
+        if node is None:
+            return None
+        m = _Map(node, required={"width", "channels"}, optional={"activation"})
+        width = _int(m["width"], 2, MAX_CONV_WIDTH)
+        activation = _enum(m["activation"], ConvActivation) if m.get("activation") else ConvActivation.NONE
+        channels_node = m["channels"]
+        if not isinstance(channels_node.value, list) or not channels_node.value:
+            raise channels_node.error(f"expected a non-empty list of value, key, query (the packed order), got {_kind(channels_node.value)}")
+        channels = tuple(_enum(item, ConvChannels) for item in channels_node.value)
+        if len(set(channels)) != len(channels):
+            raise channels_node.error("each of value, key, query may pass through the conv once")
+        return Conv(width, activation, channels)
 
     def _dims(self, node: Node | None) -> Dims:
         if node is None:

@@ -80,6 +80,19 @@ class GateActivation(enum.Enum):
     SILU = "silu"
 
 
+class ConvActivation(enum.Enum):
+    SILU = "silu"
+    NONE = "none"
+
+
+class ConvChannels(enum.Enum):
+    """An input whose channels pass through the conv: value [heads, value_dim], key or query [key_heads, key_dim]."""
+
+    VALUE = "value"
+    KEY = "key"
+    QUERY = "query"
+
+
 class CacheField(enum.Enum):
     """What one replay-buffer entry holds, per field."""
 
@@ -151,6 +164,16 @@ class Readout:
 
 
 @dataclass(frozen=True)
+class Conv:
+    """The short causal depthwise conv before the recurrence: out[t, c] = act(bias[c] + sum_w weight[c, w] *
+    in[t - width + 1 + w, c]) over each channel c of the inputs `channels`, packed in that order."""
+
+    width: int  # W: taps per channel; the conv state keeps the last W - 1 inputs
+    activation: ConvActivation
+    channels: tuple[ConvChannels, ...]
+
+
+@dataclass(frozen=True)
 class StateSpec:
     """The shapes' defaults for how a state is stored."""
 
@@ -206,6 +229,7 @@ class Spec:
     shapes: tuple[TargetShape, ...]
     source_file: str
     source_sha256: str
+    conv: Conv | None = None  # the conv before the recurrence, where the spec has one
 
     def shape(self, name: str) -> TargetShape:
         for shape in self.shapes:
