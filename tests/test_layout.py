@@ -84,7 +84,7 @@ def test_templates_are_package_data():
     toml = (ROOT / "pyproject.toml").read_text()
     assert '"replaygen.templates" = ["*.j2", "kernels/*.j2"]' in toml
     assert sorted(p.name for p in (PACKAGE / "templates" / "kernels").glob("*.j2")) == [
-        "baseline_decode.py.j2", "baseline_verify.py.j2", "commit.py.j2", "load.py.j2", "materialize.py.j2", "replay_decode.py.j2",
+        "baseline_decode.py.j2", "baseline_verify.py.j2", "commit.py.j2", "conv.py.j2", "load.py.j2", "materialize.py.j2", "replay_decode.py.j2",
         "replay_verify.py.j2", "scores.py.j2",
     ]
 
