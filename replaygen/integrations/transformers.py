@@ -36,8 +36,8 @@ from replaygen.errors import ReplaygenError
 from replaygen.paths import gpu_name, records_dir, spec_file
 from replaygen.runtime import load_kernels
 from replaygen.spec import load_spec, load_spec_text
+from replaygen.spec.model import Spec
 from replaygen.tune.apply import resolve_configs
-from replaygen.spec.model import Spec, TargetShape
 
 
 class Mode(enum.Enum):
@@ -338,8 +338,8 @@ def shape_name(family, mixer: torch.nn.Module, capacity: int, window: int) -> st
 def attach(model: torch.nn.Module, capacity: int = 16, window: int = 4, gpu: str | None = None) -> "ReplayRuntime":
     """A runtime for `model`'s recurrent layers: one module per distinct layer shape, at ring capacity L and
     speculative window T. With `gpu`, a layer shape that a shipped spec ships (the same sizes, L, T, layout and
-    dtypes) runs that shape's tuned configs of tune/<gpu>/ (its module is the shipped one); every other kernel runs
-    its documented defaults."""
+    dtypes) runs that shape's tuned configs of tune/<gpu>/ (the shipped module's kernels, the mixer's conv beside
+    them); every other kernel runs its documented defaults."""
     mixers = recurrent_mixers(model)
     if not mixers:
         raise ReplaygenError(
