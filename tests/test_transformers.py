@@ -2,6 +2,10 @@
 initialised configs of each supported class: greedy tokens and logits as HF's own `generate`, the speculative loop's
 tokens as greedy decoding's, and a rejected draft leaving every state as if it never ran."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -210,6 +214,14 @@ def test_prompts_of_different_lengths_decode_as_in_hf(name):
     assert torch.equal(speculative.tokens, out[:, prompts.shape[1] :])
     with pytest.raises(ValueError, match="padding must be on the left"):
         runtime.start(prompts, attention_mask=mask.flip(1))
+
+
+def test_the_cpu_example_runs():
+    """examples/hf_on_cpu.py, as the README runs it."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "hf_on_cpu.py")], capture_output=True, text=True, env=env, timeout=1200)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "24 greedy tokens as HF's: True; speculative: the same tokens True" in done.stdout
 
 
 def test_misuse_is_refused_with_a_clear_error():

@@ -460,7 +460,8 @@ class ReplayRuntime:
         """Greedy continuation of prompts input_ids [b, n] (left padding 0 in attention_mask) by max_new_tokens tokens. With draft_tokens >= 1, each step
         verifies the last token and draft_tokens drafts per sequence (`drafter`, default `prompt_lookup_drafts`) in
         one window and keeps the longest prefix that greedy decoding would have produced (the shortest of the batch's
-        rows): the tokens are greedy decoding's, in fewer steps where drafts are right."""
+        rows): the tokens are greedy decoding's, in fewer steps where drafts are right. Every row runs all
+        max_new_tokens (no stop at an end-of-sequence token)."""
         if not 0 <= draft_tokens < self.window:
             raise ValueError(f"draft_tokens={draft_tokens}: a window holds the last token and at most {self.window - 1} drafts (window {self.window})")
         if max_new_tokens < 1:
