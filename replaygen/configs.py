@@ -47,6 +47,10 @@ FLUSH_PROGRAMS_PER_SM = 4
 # Value rows per cursor copy; block_v must be a multiple (each program owns whole copies).
 CURSOR_GRAIN = 8
 
+# Operand precisions of the fold's tensor-core product (fold_precision): Triton's tf32x3 (three tf32 products, about
+# fp32) and tf32 (one), or both operands in the key buffer's dtype (bf16 where the buffers hold bf16 activations).
+FOLD_PRECISIONS = ("tf32x3", "tf32", "key_buffer")
+
 # Kernel kinds whose programs load a state tile and store to the same state memory (the checkpoint, or a slot's
 # snapshots). A tile of fewer elements than the program's threads is replicated across its warps by Triton's layout
 # (each copy loaded, one stored); a warp that loaded late could then read what another warp already stored and pass
@@ -81,7 +85,9 @@ class KernelConfig:
     flush_at: int = _knob(0, REPLAY_KINDS, "decode: flush threshold; verify: also fold at h >= flush_at; 0 means the capacity L")
     prefetch_ring: bool = _knob(True, REPLAY_KINDS, "load every ring position without waiting for the cursor")
     fold_chunk: int = _knob(4, REPLAY_KINDS | {KernelKind.MATERIALIZE}, "buffered entries loaded together per step of the fold loop")
-    fold_dot: bool = _knob(False, REPLAY_KINDS, "fold the ring by one tensor-core product (tf32x3) instead of the loop")
+    fold_dot: bool = _knob(False, REPLAY_KINDS, "fold the ring by one tensor-core product instead of the loop")
+    fold_precision: str = _knob("tf32x3", REPLAY_KINDS, "the fold product's operands: tf32x3 (about fp32), tf32, or key_buffer (the key buffer's dtype)")
+    block_k: int = _knob(0, DECODE, "0: the whole key axis in one tile; else key columns per pass of the program's key loop")
     precompute_scores: bool = _knob(False, REPLAY_KINDS, "entry and window scores once per key head, in a small kernel first")
     fused_flush: bool = _knob(True, DECODE, "fold full buffers in the decode kernel, or in a second launch")
     readout_dot: bool = _knob(False, VERIFY, "read the state and ring at every window token by tensor-core products (tf32x3)")
@@ -166,11 +172,11 @@ def validate_config(kind: KernelKind, shape: TargetShape, config: KernelConfig) 
         raise UnsupportedShapeError(f"{kind.value}: block_v={config.block_v} exceeds value_dim={shape.value_dim} rounded up")
     if config.num_warps not in (1, 2, 4, 8, 16):
         raise UnsupportedShapeError(f"{kind.value}: num_warps={config.num_warps} must be 1, 2, 4, 8 or 16")
-    warps_cap = max_state_warps(shape, config.block_v)
+    warps_cap = max_state_warps(shape, config.block_v, config.block_k)
     if kind in STATE_TILE_KINDS and config.num_warps > warps_cap:
         raise UnsupportedShapeError(
             f"{kind.value}: num_warps={config.num_warps} is {32 * config.num_warps} threads for a state tile of"
-            f" {state_tile_elements(shape, config.block_v)} elements (block_v={config.block_v} x key_dim={shape.key_dim} rounded up),"
+            f" {state_tile_elements(shape, config.block_v, config.block_k)} elements (block_v={config.block_v} x {f'block_k={config.block_k}' if config.block_k else f'key_dim={shape.key_dim} rounded up'}),"
             f" so its warps would hold the same state elements; at most {warps_cap} warp(s) here"
         )
     if not 1 <= config.num_stages <= 4:
@@ -179,6 +185,17 @@ def validate_config(kind: KernelKind, shape: TargetShape, config: KernelConfig) 
         raise UnsupportedShapeError(f"{kind.value}: fold_chunk={config.fold_chunk} must be 1, 2, 4 or 8")
     if config.fold_dot and (config.block_v < MIN_DOT or shape.key_dim < MIN_DOT):
         raise UnsupportedShapeError(f"{kind.value}: fold_dot needs block_v and key_dim >= {MIN_DOT} (tl.dot), got {config.block_v}, {shape.key_dim}")
+    if config.fold_precision not in FOLD_PRECISIONS:
+        raise UnsupportedShapeError(f"{kind.value}: fold_precision={config.fold_precision!r} must be one of {', '.join(FOLD_PRECISIONS)}")
+    if config.fold_precision != KNOB_DEFAULTS["fold_precision"] and not config.fold_dot:
+        raise UnsupportedShapeError(f"{kind.value}: fold_precision={config.fold_precision} sets the fold product's operands, so it needs fold_dot")
+    if config.block_k:
+        if config.block_k < MIN_DOT or config.block_k & (config.block_k - 1) or config.block_k >= _next_pow2(shape.key_dim):
+            raise UnsupportedShapeError(
+                f"{kind.value}: block_k={config.block_k} must be 0 (the whole key axis) or a power of two from {MIN_DOT} below key_dim={shape.key_dim} rounded up"
+            )
+        if config.flush_at == 1:
+            raise UnsupportedShapeError(f"{kind.value}: block_k runs buffering steps; flush_at=1 runs the baseline's step on the whole key axis (block_k=0)")
     if config.readout_dot and (config.block_v < MIN_DOT or not config.precompute_scores):
         raise UnsupportedShapeError(f"{kind.value}: readout_dot needs block_v >= {MIN_DOT} (tl.dot) and precompute_scores, got block_v={config.block_v}, precompute_scores={config.precompute_scores}")
     if config.overlap_scores and not config.precompute_scores:
@@ -208,15 +225,15 @@ def validate_config(kind: KernelKind, shape: TargetShape, config: KernelConfig) 
         raise UnsupportedShapeError(f"{kind.value}: flush_at={config.flush_at} must be 0 (= L) or 1..L={shape.capacity}")
 
 
-def state_tile_elements(shape: TargetShape, block_v: int) -> int:
-    """Elements of a program's state tile [block_v, key_dim rounded up to a power of two]."""
-    return block_v * _next_pow2(shape.key_dim)
+def state_tile_elements(shape: TargetShape, block_v: int, block_k: int = 0) -> int:
+    """Elements of a program's state tile [block_v, block_k, or key_dim rounded up to a power of two]."""
+    return block_v * (block_k or _next_pow2(shape.key_dim))
 
 
-def max_state_warps(shape: TargetShape, block_v: int) -> int:
-    """The most warps a program over `block_v` value rows of the state may run without replicating its state tile
-    across warps (STATE_TILE_KINDS; at least 1)."""
-    return max(1, state_tile_elements(shape, block_v) // 32)
+def max_state_warps(shape: TargetShape, block_v: int, block_k: int = 0) -> int:
+    """The most warps a program over `block_v` value rows (and `block_k` key columns at a time, 0: all) of the state
+    may run without replicating its state tile across warps (STATE_TILE_KINDS; at least 1)."""
+    return max(1, state_tile_elements(shape, block_v, block_k) // 32)
 
 
 def default_configs(kind: KernelKind, shape: TargetShape, *, channel_decay: bool = False, delta_rule: bool = False) -> tuple[BucketConfig, ...]:

@@ -197,6 +197,8 @@ def plan_module(
             validate_config(kind, shape, bucket.config)
             if bucket.config.precompute_scores and spec.decay.granularity is DecayGranularity.CHANNEL:
                 raise UnsupportedShapeError(f"{kind.value}: precompute_scores needs a per-head decay (per-channel decay weighs the keys' channels)")
+            if bucket.config.block_k and spec.decay.granularity is DecayGranularity.CHANNEL:
+                raise UnsupportedShapeError(f"{kind.value}: block_k needs a per-head decay (a per-channel decay weighs the whole key axis of the ring's scores)")
     missing = set(KernelKind) - set(configs)
     if missing:
         raise UnsupportedShapeError(f"no configs for kernels: {', '.join(sorted(k.value for k in missing))}")
