@@ -162,15 +162,18 @@ class DecodeWorkload:
         for state in self.baseline:
             state.normal_(0, 0.5)
 
-    def stagger(self, flush_at: int) -> None:
-        """Start slot i with i % flush_at buffered entries, so sequences flush on different steps."""
-        set_entry_counts(self.replay, torch.arange(self.batch, dtype=torch.int32, device=self.slots.device) % flush_at)
+    def stagger(self, flush_at: int, together: bool = False) -> None:
+        """Start slot i with i % flush_at buffered entries, so sequences flush on different steps; `together`: every
+        slot empty, so all of them flush on the same step of the cycle."""
+        rows = torch.arange(self.batch, dtype=torch.int32, device=self.slots.device)
+        set_entry_counts(self.replay, rows * 0 if together else rows % flush_at)
 
-    def time_replay(self, route: str, flush_at: int, repeats: int = 30) -> Timing:
+    def time_replay(self, route: str, flush_at: int, repeats: int = 30, together: bool = False) -> Timing:
         """Per-step time of replay decode over whole flush cycles of `flush_at` steps, as many cycles as cover the
         buffer capacity L: the baseline's graph holds L steps, and a graph of fewer steps would carry more of
-        the graph launch per step (flush_at=1 measured up to 12% slow at batch 1-8 so; docs/design.md, "Measuring")."""
-        self.stagger(flush_at)
+        the graph launch per step (flush_at=1 measured up to 12% slow at batch 1-8 so; docs/design.md, "Measuring").
+        Rows start staggered (`stagger`), or with `together` all flush on the same step."""
+        self.stagger(flush_at, together)
         steps = flush_at * -(-self.shape.capacity // flush_at)
 
         def cycle() -> None:
