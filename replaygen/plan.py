@@ -141,6 +141,7 @@ class ModulePlan:
     # sizes
     block_k: int
     block_r: int  # ring tile rows: RING = capacity + window positions, at least MIN_DOT (fold_dot)
+    block_l: int  # entry tile rows: the capacity's entries in buffer order, at least MIN_DOT (the fold product)
     score_tokens: int  # window tile rows of the largest window: max(2, next_pow2(window))
     state_stride_v: int
     state_stride_k: int
@@ -212,6 +213,7 @@ def plan_module(
         config_source=config_source,
         block_k=_next_pow2(shape.key_dim),
         block_r=max(MIN_DOT, _next_pow2(shape.capacity + shape.window)),
+        block_l=max(MIN_DOT, _next_pow2(shape.capacity)),
         score_tokens=max(2, _next_pow2(shape.window)),
         state_stride_v=shape.key_dim if value_key else 1,
         state_stride_k=1 if value_key else shape.value_dim,

@@ -8,7 +8,8 @@ graph per timing over whole flush cycles of L steps, medians of 30 graph replays
 per-row input its engine advances between steps: here step i of the cycle reads a tensor prepared for it, so
 the graph holds the PR's kernels alone. Every row flushing on the same step ("together") and rows staggered
 over the cycle ("staggered") are timed for every kernel. replaygen's rows: the module shipped for --gpu, and
-each config of --configs (JSON: {"name": {knob: value}}, run at every batch size).
+each config of --configs (JSON: {spec: {name: {knob: value}}}, run at every batch size; a name may map to a
+module file instead, relative to the project, e.g. an older build of the same shape).
 
     python docs/experiments/vs_vllm_replayssm.py --public DIR --gpu h200 --configs FILE --out DIR
 """
@@ -164,8 +165,11 @@ def run_family(args, spec_name: str, shape_name: str, public_cls, public_module,
         f"its {args.gpu} configs, this code": load_kernels(spec, shape, {KernelKind.REPLAY_DECODE: shipped_table}),
     }
     for name, knobs in configs.items():
-        config = KernelConfig.from_fields(knobs)
-        modules[name] = load_kernels(spec, shape, {KernelKind.REPLAY_DECODE: (BucketConfig(None, config),)})
+        if isinstance(knobs, str):
+            modules[name] = import_path(ROOT / knobs)
+        else:
+            config = KernelConfig.from_fields(knobs)
+            modules[name] = load_kernels(spec, shape, {KernelKind.REPLAY_DECODE: (BucketConfig(None, config),)})
     checks = {}
     for name, module in modules.items():
         report = check_decode(module, spec, shape, device=device, act_dtype=act, batch=4, cycles=2, use_gate=False, seed=3)
