@@ -48,7 +48,8 @@ FLUSH_PROGRAMS_PER_SM = 4
 CURSOR_GRAIN = 8
 
 # Operand precisions of the fold's tensor-core product (fold_precision): Triton's tf32x3 (three tf32 products, about
-# fp32) and tf32 (one), or both operands in the key buffer's dtype (bf16 where the buffers hold bf16 activations).
+# fp32) and tf32 (one), or both operands in the key buffer's dtype where the key and value buffers hold 16-bit values
+# (bf16 activations: the keys exactly, the weighted values rounded once more), tf32x3 where they hold float32 ones.
 FOLD_PRECISIONS = ("tf32x3", "tf32", "key_buffer")
 
 # Kernel kinds whose programs load a state tile and store to the same state memory (the checkpoint, or a slot's
@@ -86,7 +87,7 @@ class KernelConfig:
     prefetch_ring: bool = _knob(True, REPLAY_KINDS, "load every ring position without waiting for the cursor")
     fold_chunk: int = _knob(4, REPLAY_KINDS | {KernelKind.MATERIALIZE}, "buffered entries loaded together per step of the fold loop")
     fold_dot: bool = _knob(False, REPLAY_KINDS, "fold the ring by one tensor-core product instead of the loop")
-    fold_precision: str = _knob("tf32x3", REPLAY_KINDS, "the fold product's operands: tf32x3 (about fp32), tf32, or key_buffer (the key buffer's dtype)")
+    fold_precision: str = _knob("tf32x3", REPLAY_KINDS, "the fold product's operands: tf32x3 (about fp32), tf32, or key_buffer (16-bit buffers' dtype; tf32x3 on float32 ones)")
     block_k: int = _knob(0, DECODE, "0: the whole key axis in one tile; else key columns per pass of the program's key loop")
     precompute_scores: bool = _knob(False, REPLAY_KINDS, "entry and window scores once per key head, in a small kernel first")
     fused_flush: bool = _knob(True, DECODE, "fold full buffers in the decode kernel, or in a second launch")
@@ -242,9 +243,10 @@ def default_configs(kind: KernelKind, shape: TargetShape, *, channel_decay: bool
     the delta rule, whose verify window carries a triangular solve and the key readouts). Distilled from the
     H100's tuning records; docs/design.md, "Defaults", says which and why:
     - replay decode: up to batch 8, 32 value rows, 4 warps, the flush fused into the decode kernel, flush every L
-      steps; above, one warp per 32 value rows, the ring read only where live, precomputed scores overlapped with
-      the decode kernel, the state streamed evict-first, every row's flush on the same steps (align_flushes, where
-      the scores kernel runs) in two groups of slots half a period apart.
+      steps; above, for the delta rule with a per-head decay, the key-tiled state route (`key_tiled_state_route`);
+      otherwise one warp per 32 value rows, the ring read only where live, precomputed scores overlapped with the
+      decode kernel, the state streamed evict-first, every row's flush on the same steps (align_flushes, where the
+      scores kernel runs) in two groups of slots half a period apart.
     - replay verify: batch 1, the state route over 8 value rows and one warp, no scores launch; up to batch 8, one
       warp per 16 value rows, output-only with precomputed scores overlapped, evict-first; above, the same with the
       fold two entries at a time and, for the delta rule, the split verify (its window half over 64 value rows, one
@@ -256,15 +258,10 @@ def default_configs(kind: KernelKind, shape: TargetShape, *, channel_decay: bool
     cap = max(16, _next_pow2(shape.value_dim))
     scores = not channel_decay
     if kind is KernelKind.REPLAY_DECODE:
+        tiled = key_tiled_state_route(shape, channel_decay=channel_decay, delta_rule=delta_rule) if delta_rule else None
         return (
             BucketConfig(8, KernelConfig(block_v=min(32, cap), num_warps=min(4, max_state_warps(shape, min(32, cap))))),
-            BucketConfig(
-                None,
-                KernelConfig(
-                    block_v=min(32, cap), num_warps=1, prefetch_ring=False, precompute_scores=scores, overlap_scores=scores, evict_state=True,
-                    align_flushes=scores, flush_groups=min(DEFAULT_FLUSH_GROUPS, shape.capacity) if scores else 1,
-                ),
-            ),
+            BucketConfig(None, tiled or whole_key_output_only(shape, channel_decay=channel_decay)),
         )
     if kind is KernelKind.REPLAY_VERIFY:
         single = BucketConfig(1, KernelConfig(block_v=CURSOR_GRAIN, num_warps=1, route=Route.STATE_AND_OUTPUT, evict_state=True))
@@ -279,6 +276,48 @@ def default_configs(kind: KernelKind, shape: TargetShape, *, channel_decay: bool
     if kind is KernelKind.COMMIT:
         return (BucketConfig(None, KernelConfig(block_v=max(CURSOR_GRAIN, _next_pow2(shape.value_dim)), num_warps=4)),)
     return (BucketConfig(None, KernelConfig(block_v=16, num_warps=min(4, max_state_warps(shape, 16)))),)
+
+
+def whole_key_output_only(shape: TargetShape, *, channel_decay: bool = False) -> KernelConfig:
+    """Replay decode's buffering step on the whole key axis, output-only: one warp per 32 value rows, the ring read
+    only where live, precomputed scores overlapped with the decode kernel (per-head decay), the state streamed
+    evict-first, the rows' flushes aligned in two groups of slots half a period apart (where the scores kernel runs)."""
+    scores = not channel_decay
+    return KernelConfig(
+        block_v=min(32, max(16, _next_pow2(shape.value_dim))), num_warps=1, prefetch_ring=False, precompute_scores=scores, overlap_scores=scores,
+        evict_state=True, align_flushes=scores, flush_groups=min(DEFAULT_FLUSH_GROUPS, shape.capacity) if scores else 1,
+    )
+
+
+def key_tiled_state_route(shape: TargetShape, *, channel_decay: bool = False, delta_rule: bool = False) -> KernelConfig | None:
+    """Replay decode's buffering step over key tiles on the state route (block_k): one warp per 64 value rows, key
+    slices of half the key axis in a loop of three pipeline stages, each slice of the state formed by one
+    tensor-core product, in the 16-bit buffers' dtype for the delta rule (its corrected values are cached at that
+    precision, so its state is no more exact than the buffer) and in tf32x3 otherwise (the additive rule caches raw
+    inputs and keeps a float32-exact fold). None where block_k cannot run: a per-channel decay, or a key axis below
+    32 (slices of at least 16) or value rows below 16 (the product's smallest side)."""
+    top_k = _next_pow2(shape.key_dim)
+    if channel_decay or top_k < 2 * MIN_DOT or shape.value_dim < MIN_DOT:
+        return None
+    block_v = min(64, max(16, _next_pow2(shape.value_dim)))
+    return KernelConfig(
+        block_v=block_v, block_k=top_k // 2, num_warps=1, num_stages=3, route=Route.STATE_AND_OUTPUT, fold_dot=True,
+        fold_precision="key_buffer" if delta_rule else "tf32x3",
+    )
+
+
+def replay_decode_structures(shape: TargetShape, batch: int, *, channel_decay: bool = False, delta_rule: bool = False) -> tuple[KernelConfig, ...]:
+    """Replay decode's kernel structures above batch 8, each in a launch shape that won on the H200 (docs/perf.md
+    69): the key-tiled state route, the key-tiled output-only route (two slices of half the key axis, 64 value
+    rows, two stages), and the whole-key output-only step. A search starts from each (a search over the knobs alone
+    rarely finds a structure the default does not have); nothing at batch 8 and below."""
+    if batch <= 8:
+        return ()
+    tiled = key_tiled_state_route(shape, channel_decay=channel_decay, delta_rule=delta_rule)
+    if tiled is None:
+        return (whole_key_output_only(shape, channel_decay=channel_decay),)
+    output_only = replace(tiled, route=Route.OUTPUT_ONLY, fold_dot=False, fold_precision=KNOB_DEFAULTS["fold_precision"], num_stages=2)
+    return (tiled, output_only, whole_key_output_only(shape, channel_decay=channel_decay))
 
 
 def module_defaults(spec: Spec, shape: TargetShape) -> dict[KernelKind, tuple[BucketConfig, ...]]:

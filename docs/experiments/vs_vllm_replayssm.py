@@ -158,10 +158,10 @@ def run_family(args, spec_name: str, shape_name: str, public_cls, public_module,
     spec = load_spec(ROOT / "specs" / f"{spec_name}.yaml")
     shape = spec.shape(shape_name)
     act = torch.bfloat16
-    shipped = import_path(ROOT / "generated" / args.gpu / f"{spec.name}_{shape.ident}.py")
+    shipped = import_path((args.generated or ROOT / "generated") / args.gpu / f"{spec.name}_{shape.ident}.py")
     shipped_table = tuple(BucketConfig(max_batch, KernelConfig.from_fields(knobs)) for max_batch, knobs in shipped._REPLAY_DECODE_CONFIGS)
     modules = {
-        f"generated/{args.gpu} as committed": shipped,
+        f"built for {args.gpu}": shipped,
         f"its {args.gpu} configs, this code": load_kernels(spec, shape, {KernelKind.REPLAY_DECODE: shipped_table}),
     }
     for name, knobs in configs.items():
@@ -210,7 +210,8 @@ def _bucket(module: types.ModuleType, batch: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--public", type=Path, required=True, help="folder with the PR's kernel files")
-    parser.add_argument("--gpu", default="h200", help="the shipped modules' GPU (generated/GPU)")
+    parser.add_argument("--gpu", default="h200", help="the shipped modules' GPU (GENERATED/GPU)")
+    parser.add_argument("--generated", type=Path, default=None, help="folder of built modules (default: the project's generated/)")
     parser.add_argument("--batch", default="1,8,32,128,256,512")
     parser.add_argument("--configs", type=Path, default=None, help="JSON {spec: {name: {knob: value}}} of replay decode configs to time too")
     parser.add_argument("--families", default="gdn,mamba2")

@@ -17,7 +17,11 @@ templates read (nothing else is invented):
     fused_flush       replay_decode only: fold full buffers in the decode kernel, or in a persistent second launch
     prefetch_ring     replay kernels: read every ring position without waiting for the cursor
     fold_chunk        replay kernels: 1, 2, 4, 8 buffered entries loaded together per step of the fold loop
-    fold_dot          replay kernels: fold by one tensor-core product (tf32x3) instead of the loop
+    fold_dot          replay kernels: fold by one tensor-core product instead of the loop
+    fold_precision    replay kernels with fold_dot: the product's operands in tf32x3, tf32, or the 16-bit buffers'
+                      dtype (key_buffer)
+    block_k           replay_decode only, per-head decay only: 0 (the whole key axis in one tile) or the key columns per
+                      pass of a key loop, powers of two from max(16, next_pow2(key_dim) / 4) to half of it
     readout_dot       replay_verify only, per-head decay only: the window's readouts of the state and ring as
                       tensor-core products (tf32x3); needs precompute_scores and 16 value rows
     evict_state       every tuned kernel: the state's loads and stores evict-first in L2 (the state streams; the
@@ -38,14 +42,14 @@ templates read (nothing else is invented):
     early_commit      replay_verify only: the commit after the verify launches as a programmatic dependent of the
                       kernel before it, waiting for it first (compute capability 9.0)
 
-num_stages stays 1: no kernel has a loop whose loads Triton's pipeliner could prefetch (the fold's loads are
-unrolled by fold_chunk instead).
+num_stages is 1, 2 or 3 for replay_decode (its key loop, block_k, is what Triton's pipeliner prefetches) and 1
+elsewhere: no other loop has loads the pipeliner could issue ahead (the fold's loads are unrolled by fold_chunk).
 
 Pruning rules, applied to a point before anything is rendered or compiled:
 
     INVALID        `configs.validate_config` rejects it (e.g. fold_dot below 16 value rows, or a state tile with
                    fewer elements than the program has threads)
-    SPILLS         the fp32 state tile [block_v, next_pow2(key_dim)] needs more than
+    SPILLS         the fp32 state tile [block_v, block_k or next_pow2(key_dim)] needs more than
                    MAX_TILE_VALUES_PER_THREAD values per thread (32 * num_warps threads): the
                    tile, its update and the loads cannot stay in 255 registers, so it spills
     UNUSED_ROUTE   flush_at=1 flushes on every step, so the route of non-flush steps never runs:
@@ -59,6 +63,9 @@ Pruning rules, applied to a point before anything is rendered or compiled:
                    read the checkpoint again to form it once more
     UNUSED_DOT     without fused_flush the decode kernel never folds (the flush launch uses the loop), so
                    fold_dot and prefetch_fold_keys stay off
+    NO_KEY_LOOP    num_stages above 1 pipelines the key loop of block_k; without it there is no loop to pipeline
+    UNUSED_BY_KEY_TILES  the key-tiled decode reads its entries' ring positions from the cursor and issues no key
+                   prefetch: prefetch_ring and prefetch_fold_keys keep their defaults (True, False)
 
 The kind's documented default (`configs.default_configs`, its bucket for this batch) is the
 reference point of the summary: it is always a candidate, whatever the rules say.
@@ -73,7 +80,7 @@ import json
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
 
-from replaygen.configs import CURSOR_GRAIN, REPLAY_KINDS, KernelConfig, KernelKind, Route, bucket_config, default_configs, state_tile_elements, validate_config
+from replaygen.configs import CURSOR_GRAIN, FOLD_PRECISIONS, REPLAY_KINDS, KernelConfig, KernelKind, Route, bucket_config, default_configs, state_tile_elements, validate_config
 from replaygen.errors import ReplaygenError, UnsupportedShapeError
 from replaygen.spec.model import TargetShape
 
@@ -107,6 +114,8 @@ class PruneRule(enum.Enum):
     UNUSED_SCORES = "the state-and-output route never reads precomputed scores"
     REFOLD = "the state-and-output route forms the state anyway: a separate flush would form it again"
     UNUSED_DOT = "without fused_flush the decode kernel never folds"
+    NO_KEY_LOOP = "num_stages above 1 needs the key loop of block_k"
+    UNUSED_BY_KEY_TILES = "the key-tiled decode reads neither prefetch_ring nor prefetch_fold_keys"
 
 
 @dataclass(frozen=True)
@@ -185,8 +194,12 @@ class SearchSpace:
             validate_config(self.kind, self.shape, config)
         except UnsupportedShapeError:
             return PruneRule.INVALID
-        if state_tile_elements(self.shape, config.block_v) > MAX_TILE_VALUES_PER_THREAD * 32 * config.num_warps:
+        if state_tile_elements(self.shape, config.block_v, config.block_k) > MAX_TILE_VALUES_PER_THREAD * 32 * config.num_warps:
             return PruneRule.SPILLS
+        if config.num_stages > 1 and not config.block_k:
+            return PruneRule.NO_KEY_LOOP
+        if config.block_k and (not config.prefetch_ring or config.prefetch_fold_keys):
+            return PruneRule.UNUSED_BY_KEY_TILES
         if self.kind is KernelKind.REPLAY_DECODE:
             state_route = config.route is Route.STATE_AND_OUTPUT
             if config.flush_at == 1 and state_route:
@@ -250,10 +263,12 @@ def derive_space(kind: KernelKind, shape: TargetShape, batch: int, channel_decay
     verify = kind is KernelKind.REPLAY_VERIFY
     replay = kind in REPLAY_KINDS
     both = (False, True)
+    top_k = _next_pow2(shape.key_dim)
+    key_tiles = () if channel_decay else tuple(b for b in (16, 32, 64, 128, 256) if max(16, top_k // 4) <= b < top_k)
     parameters = (
         Parameter("block_v", block_v, Scale.LOG2),
         Parameter("num_warps", NUM_WARPS, Scale.LOG2),
-        Parameter("num_stages", (1,), Scale.LINEAR),
+        Parameter("num_stages", (1, 2, 3) if decode and key_tiles else (1,), Scale.LINEAR),
         Parameter("max_registers", MAX_REGISTERS if replay else (0,), Scale.CATEGORICAL),
         Parameter("route", tuple(r.value for r in Route) if replay else (Route.OUTPUT_ONLY.value,), Scale.CATEGORICAL),
         Parameter("flush_at", tuple(range(1, shape.capacity + 1)) if decode else (0, 1) if verify else (0,), Scale.LINEAR),
@@ -262,6 +277,8 @@ def derive_space(kind: KernelKind, shape: TargetShape, batch: int, channel_decay
         Parameter("prefetch_ring", both if replay else (True,), Scale.CATEGORICAL),
         Parameter("fold_chunk", FOLD_CHUNKS if replay else (4,), Scale.LOG2),
         Parameter("fold_dot", both if replay else (False,), Scale.CATEGORICAL),
+        Parameter("fold_precision", FOLD_PRECISIONS if replay else (FOLD_PRECISIONS[0],), Scale.CATEGORICAL),
+        Parameter("block_k", (0, *key_tiles) if decode else (0,), Scale.CATEGORICAL),
         Parameter("readout_dot", both if kind is KernelKind.REPLAY_VERIFY and not channel_decay else (False,), Scale.CATEGORICAL),
         Parameter("evict_state", both, Scale.CATEGORICAL),
         Parameter("overlap_scores", both if replay and not channel_decay else (False,), Scale.CATEGORICAL),

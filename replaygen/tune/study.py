@@ -45,7 +45,7 @@ from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
 from replaygen.codegen import template_hash
-from replaygen.configs import KernelConfig, KernelKind
+from replaygen.configs import KernelConfig, KernelKind, replay_decode_structures
 from replaygen.errors import ReplaygenError
 from replaygen.spec.model import DecayGranularity, Spec, TargetShape, UpdateKind
 from replaygen.traffic import state_bytes
@@ -307,7 +307,8 @@ class Tuner:
         return record, False
 
     def _seeds(self, task: SearchTask) -> tuple[KernelConfig, ...]:
-        """Replay decode also starts from the baseline's step on the checkpoint (flush_at=1) in the launch shape of the
+        """Replay decode also starts from each kernel structure above batch 8 (configs.replay_decode_structures),
+        and from the baseline's step on the checkpoint (flush_at=1) in the launch shape of the
         best baseline decode recorded at this batch: a bucket where buffering does not pay keeps close to the baseline.
         The seeds fold one entry per loop step (fold_chunk=1): that loop runs only for entries a larger threshold left,
         and unrolled chunks would cost registers, so programs per multiprocessor, on every step.
@@ -315,15 +316,20 @@ class Tuner:
         round trip at batch 1-8 where the baseline did not need it)."""
         if task.kind is not KernelKind.REPLAY_DECODE:
             return ()
+        channel = task.spec.decay.granularity is DecayGranularity.CHANNEL
+        structures = tuple(
+            replace(config, flush_at=config.flush_at or task.shape.capacity)
+            for config in replay_decode_structures(task.shape, task.batch, channel_decay=channel, delta_rule=task.spec.update.kind is UpdateKind.DELTA)
+        )
         baselines = [
             t for t in self._comparable_trials()
             if t.key.kind is KernelKind.BASELINE_DECODE and t.batch == task.batch and t.status is TrialStatus.OK
         ]
         if not baselines:
-            return ()
+            return structures
         best = min(baselines, key=lambda t: t.value).config
         shape = KernelConfig(block_v=best.block_v, num_warps=best.num_warps, flush_at=1, fold_chunk=1)
-        return tuple(replace(shape, evict_state=evict) for evict in (best.evict_state, not best.evict_state))
+        return structures + tuple(replace(shape, evict_state=evict) for evict in (best.evict_state, not best.evict_state))
 
     def _exhaustive(self, task: SearchTask, deadline: float | None, candidates: tuple[KernelConfig, ...], study: str) -> SearchResult:
         """Time `candidates` in order (every candidate of the space, or the recorded ones)."""
