@@ -18,7 +18,7 @@ import torch
 from replaygen import measure
 from replaygen.build import build_spec
 from replaygen.cli import main
-from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route, bucket_range, bucket_variants, module_defaults
+from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route, bucket_range, bucket_variants, module_defaults, replay_decode_structures
 from replaygen.errors import TuningRecordError, UnsupportedShapeError
 from replaygen.measure import Timing
 from replaygen.offline import architecture
@@ -52,7 +52,7 @@ def test_space_of_the_main_shape(mamba2):
     assert choices == {
         "block_v": (8, 16, 32, 64),
         "num_warps": (1, 2, 4, 8),
-        "num_stages": (1,),
+        "num_stages": (1, 2, 3),
         "max_registers": (0, 128),
         "route": ("output_only", "state_and_output"),
         "flush_at": tuple(range(1, 17)),
@@ -61,6 +61,8 @@ def test_space_of_the_main_shape(mamba2):
         "prefetch_ring": both,
         "fold_chunk": (1, 2, 4, 8),
         "fold_dot": both,
+        "fold_precision": ("tf32x3", "tf32", "key_buffer"),
+        "block_k": (0, 32, 64),
         "readout_dot": (False,),
         "evict_state": both,
         "overlap_scores": both,
@@ -72,20 +74,20 @@ def test_space_of_the_main_shape(mamba2):
         "prefetch_fold_keys": both,
         "early_commit": (False,),
     }
-    assert space.size == 4 * 4 * 2 * 2 * 16 * 2 * 2 * 2 * 4 * 2 * 2 * 2 * 2 * 3 * 2 * 2
+    assert space.size == 4 * 4 * 3 * 2 * 2 * 16 * 2 * 2 * 2 * 4 * 2 * 3 * 3 * 2 * 2 * 2 * 3 * 2 * 2
     assert space.default == KernelConfig(  # the default's 0 written as L
         block_v=32, num_warps=1, flush_at=16, prefetch_ring=False, precompute_scores=True, overlap_scores=True, evict_state=True, align_flushes=True,
         flush_groups=2,
     )
     assert next(space.iter_candidates()) == space.default
     assert derive_space(RD, shape, batch=1).default == KernelConfig(block_v=32, num_warps=4, flush_at=16)
-    assert {p.name for p in derive_space(RD, shape, 128, channel_decay=True).free} == set(choices) - {"num_stages", "precompute_scores", "readout_dot", "overlap_scores",
+    assert {p.name for p in derive_space(RD, shape, 128, channel_decay=True).free} == set(choices) - {"num_stages", "block_k", "precompute_scores", "readout_dot", "overlap_scores",
                                                                                                     "align_flushes", "flush_groups", "window_block_v", "window_warps",
                                                                                                     "early_commit"}
     baseline = derive_space(BD, shape, batch=8)
     assert [p.name for p in baseline.free] == ["block_v", "num_warps", "evict_state"]  # no loop, route, flush or register cap
     assert len(baseline.candidates()) == 30  # 32 points, block_v=64 on one warp spills
-    verify = {"block_v", "num_warps", "max_registers", "route", "flush_at", "prefetch_ring", "fold_chunk", "fold_dot", "precompute_scores", "readout_dot",
+    verify = {"block_v", "num_warps", "max_registers", "route", "flush_at", "prefetch_ring", "fold_chunk", "fold_dot", "fold_precision", "precompute_scores", "readout_dot",
               "evict_state", "overlap_scores", "window_block_v", "window_warps", "early_launch", "prefetch_fold_keys", "early_commit"}
     assert {p.name for p in derive_space(RV, shape, 8).free} == verify
     assert dict((p.name, p.choices) for p in derive_space(RV, shape, 8).parameters)["window_block_v"] == (0, 16, 32, 64)
@@ -120,11 +122,21 @@ def test_pruning_rules(mamba2):
     assert space.prune_reason(replace(state_route, fused_flush=False)) is PruneRule.REFOLD
     assert space.prune_reason(KernelConfig(block_v=16, flush_at=8, fused_flush=False, fold_dot=True)) is PruneRule.UNUSED_DOT
     assert space.prune_reason(KernelConfig(block_v=16, flush_at=8, fused_flush=False, precompute_scores=True)) is None
+    tiled = KernelConfig(block_v=64, block_k=64, num_warps=1, num_stages=3, flush_at=8, route=Route.STATE_AND_OUTPUT, fold_dot=True, fold_precision="key_buffer")
+    assert space.prune_reason(tiled) is None  # 64 x 64 slices: 128 per thread
+    assert space.prune_reason(replace(tiled, block_v=128)) is PruneRule.INVALID  # above value_dim=64
+    assert space.prune_reason(replace(tiled, block_k=0)) is PruneRule.SPILLS  # the whole key axis at once
+    assert space.prune_reason(replace(tiled, block_k=0, block_v=16)) is PruneRule.NO_KEY_LOOP  # nothing to pipeline
+    assert space.prune_reason(replace(tiled, prefetch_ring=False)) is PruneRule.UNUSED_BY_KEY_TILES
+    assert space.prune_reason(replace(tiled, prefetch_fold_keys=True)) is PruneRule.UNUSED_BY_KEY_TILES
+    assert space.prune_reason(replace(tiled, flush_at=1)) is PruneRule.INVALID  # no flush-every-step path over key tiles
+    assert space.prune_reason(replace(tiled, fold_dot=False)) is PruneRule.INVALID  # fold_precision sets the product's operands
     small = derive_space(BD, SMALL, batch=8)  # tile 8 x 16 = 128 elements
     assert small.prune_reason(KernelConfig(block_v=8, num_warps=8)) is PruneRule.INVALID  # 256 threads: a replicated tile
     assert small.prune_reason(KernelConfig(block_v=8, num_warps=4)) is None
-    # The whole space has 6.3 million points (minutes to walk); four knobs fixed keep the walk to 196,608.
+    # The whole space has 170 million points (hours to walk); seven knobs fixed keep the walk to 196,608.
     walked = space.fix("max_registers", "0").fix("evict_state", "True").fix("early_launch", "False").fix("fold_chunk", "4")
+    walked = walked.fix("num_stages", "1").fix("fold_precision", "tf32x3").fix("block_k", "0")
     candidates = walked.candidates()
     assert all(walked.prune_reason(c) is None for c in candidates) and len(set(candidates)) == len(candidates)
     assert len(candidates) == walked.size - sum(1 for c in walked.points() if walked.prune_reason(c) is not None)
@@ -145,7 +157,7 @@ def test_fix_and_space_key(mamba2):
     space = derive_space(RD, shape, batch=128)
     assert space.key() == derive_space(RD, shape, batch=128).key()
     fixed = space.fix("flush_at", "16").fix("route", "output_only").fix("fold_dot", "False")
-    assert fixed.size == 4 * 4 * 2 * 2 * 2 * 2 * 4 * 2 * 2 * 2 * 3 * 2 * 2 and fixed.key() != space.key()
+    assert fixed.size == 4 * 4 * 3 * 2 * 2 * 2 * 2 * 4 * 3 * 3 * 2 * 2 * 2 * 3 * 2 * 2 and fixed.key() != space.key()
     early = space.fix("early_launch", "True")  # recorded mode with --fix early_launch=True: the winners, launched early
     assert early.fit(space.default) == replace(space.default, early_launch=True)
     assert derive_space(RD, replace(shape, capacity=8), batch=128).key() != space.key()
@@ -645,7 +657,7 @@ def test_exhaustive_mode_and_optuna_on_an_enumerable_space(mamba2, tmp_path):
     fixed = (("flush_at", "16"), ("route", "output_only"), ("max_registers", "0"), ("precompute_scores", "False"), ("fused_flush", "True"),
              ("prefetch_ring", "True"), ("fold_chunk", "4"), ("fold_dot", "False"), ("evict_state", "False"),
              ("overlap_scores", "False"), ("align_flushes", "False"), ("flush_groups", "1"), ("early_launch", "False"),
-             ("prefetch_fold_keys", "False"))
+             ("prefetch_fold_keys", "False"), ("num_stages", "1"), ("fold_precision", "tf32x3"), ("block_k", "0"))
     exhaustive, store, _ = run(mamba2, tmp_path / "ex", (RD,), (128,), mode=Mode.EXHAUSTIVE, fixed=fixed)
     space = derive_space(RD, mamba2.shape("nemotron-h"), 128)
     for name, value in fixed:
@@ -949,6 +961,22 @@ def test_replay_search_starts_from_the_baselines_step_in_its_best_launch_shape(m
     assert replay_trials[:3] == [replay.default.config, seed, replace(seed, evict_state=not best.evict_state)]
     alone, store_alone, _ = run(mamba2, tmp_path / "alone", (RD,), (8,), trials=4)
     assert seed not in [t.config for t in store_alone.trials][:3]  # no baseline recorded: no such seed
+
+
+def test_replay_search_above_batch_8_starts_from_every_kernel_structure(mamba2, tmp_path):
+    """Above batch 8, replay decode times the documented default, then each kernel structure the default is not
+    (configs.replay_decode_structures: the key-tiled state route, the key-tiled output-only route, the whole-key
+    output-only step), before the sampler proposes anything; at batch 8 there are none."""
+    shape = mamba2.shape("nemotron-h")
+    structures = [replace(c, flush_at=c.flush_at or shape.capacity) for c in replay_decode_structures(shape, 32)]
+    assert len(structures) == 3 and {c.block_k for c in structures} == {0, 64} and structures[0].route is Route.STATE_AND_OUTPUT
+    results, store, _ = run(mamba2, tmp_path, (RD,), (32,), trials=6)
+    (replay,) = results
+    replay_trials = [t.config for t in store.trials if t.key.kind is RD]
+    assert replay_trials[0] == replay.default.config
+    others = [c for c in structures if c != replay.default.config]  # the default is one of them: enqueued once
+    assert replay_trials[1 : 1 + len(others)] == others and len(others) == 2
+    assert replay_decode_structures(shape, 8) == ()
 
 
 def as_earlier_code(trials):

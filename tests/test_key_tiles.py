@@ -1,0 +1,111 @@
+"""Replay decode over key tiles (block_k) against the float64 reference, step by step: both routes, the fold product
+in each operand precision, precomputed scores with aligned flushes, the separate flush launch, several warps, odd
+sizes, a 16-bit state rounded stochastically, flush thresholds from the call; what it refuses."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route, key_tiled_state_route, replay_decode_structures
+from replaygen.errors import UnsupportedShapeError
+from replaygen.harness import check_decode
+from replaygen.runtime import load_kernels
+from replaygen.spec import load_spec
+from replaygen.spec.model import DType, Rounding, TargetShape
+
+from conftest import DEVICE, ROOT
+
+# key_dim 32 in two tiles of 16; value_dim 16 in one block of 16 rows (the fold product's smallest side)
+SHAPE = TargetShape("tiles", heads=4, key_heads=2, value_dim=16, key_dim=32, capacity=4, window=1)
+# key_dim 20 in two tiles of 16 (the second masked past 20), value_dim 12 in a block of 16 rows
+ODD = TargetShape("tiles-odd", heads=6, key_heads=3, value_dim=12, key_dim=20, capacity=5, window=2)
+
+STATE_FOLD = KernelConfig(block_v=16, block_k=16, num_warps=1, num_stages=2, route=Route.STATE_AND_OUTPUT, fold_dot=True)
+OUTPUT_ONLY = KernelConfig(block_v=16, block_k=16, num_warps=1, num_stages=2)
+CONFIGS = [
+    pytest.param(OUTPUT_ONLY, torch.float32, id="output-only"),
+    pytest.param(replace(OUTPUT_ONLY, precompute_scores=True, overlap_scores=True, align_flushes=True, flush_groups=2), torch.float32, id="scores-aligned"),
+    pytest.param(replace(OUTPUT_ONLY, fused_flush=False, num_stages=1), torch.float32, id="flush-launch"),
+    pytest.param(replace(OUTPUT_ONLY, num_warps=2), torch.float32, id="two-warps"),
+    pytest.param(replace(STATE_FOLD, fold_dot=False), torch.float32, id="state-loop-fold"),
+    pytest.param(STATE_FOLD, torch.float32, id="state-tf32x3-fold"),
+    pytest.param(replace(STATE_FOLD, fold_precision="key_buffer"), torch.float32, id="state-key-buffer-fold-fp32-buffers"),
+    pytest.param(replace(STATE_FOLD, fold_precision="key_buffer"), torch.float16, id="state-key-buffer-fold-fp16"),
+]
+
+
+@pytest.fixture(scope="module", params=["mamba2", "gdn"])
+def spec(request):
+    return load_spec(ROOT / "specs" / f"{request.param}.yaml")
+
+
+def tiled(spec, shape, config):
+    return load_kernels(spec, shape, {KernelKind.REPLAY_DECODE: (BucketConfig(None, config),)})
+
+
+def assert_passes(report):
+    assert report.ok, "\n".join(report.lines())
+    assert {"replay_decode", "materialize"} <= set(report.worst)
+
+
+@pytest.mark.parametrize("config, act", CONFIGS)
+def test_key_tiles_match_the_reference(spec, config, act):
+    """Every step's output, the materialized states and the load path, over two flush cycles with rows joining
+    late, a padding row and poisoned unused slots (check_decode)."""
+    assert_passes(check_decode(tiled(spec, SHAPE, config), spec, SHAPE, device=DEVICE, act_dtype=act, use_gate=False, cycles=2, seed=21))
+
+
+@pytest.mark.parametrize("route", ["output_only", "state_and_output"])
+def test_key_tiles_at_odd_sizes(spec, route):
+    config = replace(STATE_FOLD, route=Route(route), fold_dot=route == "state_and_output")
+    assert_passes(check_decode(tiled(spec, ODD, config), spec, ODD, device=DEVICE, route=route, batch=3, cycles=1, seed=22))
+
+
+@pytest.mark.parametrize("flush_at", [1, 3])
+def test_key_tiles_take_the_calls_flush_threshold(spec, flush_at):
+    """A call's flush_at below the config's: 1 flushes on every step through the fused flush (the key-tiled kernel
+    has no flush-every-step path of its own), 3 every third step."""
+    assert_passes(check_decode(tiled(spec, SHAPE, OUTPUT_ONLY), spec, SHAPE, device=DEVICE, flush_at=flush_at, cycles=2, seed=23))
+
+
+def test_key_tiles_with_a_stochastically_rounded_bf16_state(spec):
+    shape = replace(SHAPE, state_dtype=DType.BFLOAT16, rounding=Rounding.STOCHASTIC)
+    assert_passes(check_decode(tiled(spec, shape, STATE_FOLD), spec, shape, device=DEVICE, act_dtype=torch.bfloat16, use_gate=False, cycles=2, seed=24))
+
+
+def test_key_tiles_refused_where_they_cannot_run(spec):
+    with pytest.raises(UnsupportedShapeError, match="block_k=24 must be 0 .* or a power of two from 16 below key_dim=32"):
+        tiled(spec, SHAPE, replace(OUTPUT_ONLY, block_k=24))
+    with pytest.raises(UnsupportedShapeError, match="block_k=32 must be 0"):
+        tiled(spec, SHAPE, replace(OUTPUT_ONLY, block_k=32))  # the whole key axis: block_k=0
+    with pytest.raises(UnsupportedShapeError, match="flush_at=1 runs the baseline's step"):
+        tiled(spec, SHAPE, replace(OUTPUT_ONLY, flush_at=1))
+    with pytest.raises(UnsupportedShapeError, match="fold_precision=tf32 .* needs fold_dot"):
+        tiled(spec, SHAPE, replace(OUTPUT_ONLY, fold_precision="tf32"))
+    with pytest.raises(UnsupportedShapeError, match="fold_precision='fp8' must be one of tf32x3, tf32, key_buffer"):
+        tiled(spec, SHAPE, replace(STATE_FOLD, fold_precision="fp8"))
+    with pytest.raises(UnsupportedShapeError, match="block_k applies to replay_decode only"):
+        load_kernels(spec, SHAPE, {KernelKind.REPLAY_VERIFY: (BucketConfig(None, KernelConfig(block_v=16, block_k=16)),)})
+
+
+def test_key_tiles_need_a_per_head_decay():
+    kda = load_spec(ROOT / "specs" / "kda.yaml")
+    with pytest.raises(UnsupportedShapeError, match="block_k needs a per-head decay"):
+        tiled(kda, replace(SHAPE, layout=kda.state.layout), OUTPUT_ONLY)
+    assert key_tiled_state_route(SHAPE, channel_decay=True) is None
+    assert replay_decode_structures(SHAPE, 32, channel_decay=True) == tuple(c for c in replay_decode_structures(SHAPE, 32, channel_decay=True) if not c.block_k)
+
+
+def test_the_default_above_batch_8_is_the_key_tiled_state_route_for_the_delta_rule(spec):
+    """The delta rule folds in the 16-bit buffers' dtype (its state is no more exact than its cached corrected
+    values); the additive rule keeps the whole-key output-only step (its fold must stay float32-exact)."""
+    from replaygen.configs import default_configs
+
+    delta = spec.update.kind.value == "delta"
+    large = default_configs(KernelKind.REPLAY_DECODE, spec.shape(spec.shapes[0].name), delta_rule=delta)[-1].config
+    if delta:
+        assert (large.block_k, large.route, large.fold_dot, large.fold_precision) == (64, Route.STATE_AND_OUTPUT, True, "key_buffer")
+    else:
+        assert large.block_k == 0 and large.route is Route.OUTPUT_ONLY and large.precompute_scores
+    assert key_tiled_state_route(replace(SHAPE, key_dim=16)) is None  # slices of at least 16 need a key axis of 32
