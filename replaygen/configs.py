@@ -307,8 +307,8 @@ def key_tiled_state_route(shape: TargetShape, *, channel_decay: bool = False, de
 
 
 def replay_decode_structures(shape: TargetShape, batch: int, *, channel_decay: bool = False, delta_rule: bool = False) -> tuple[KernelConfig, ...]:
-    """Replay decode's kernel structures above batch 8, each in a launch shape that won on the H200 (docs/perf.md
-    69): the key-tiled state route, the key-tiled output-only route (two slices of half the key axis, 64 value
+    """Replay decode's kernel structures above batch 8, each in a launch shape that won on the H200 (design.md,
+    "Key tiles"): the key-tiled state route, the key-tiled output-only route (two slices of half the key axis, 64 value
     rows, two stages), and the whole-key output-only step. A search starts from each (a search over the knobs alone
     rarely finds a structure the default does not have); nothing at batch 8 and below."""
     if batch <= 8:
