@@ -52,6 +52,7 @@ class TensorArg:
     sizes: tuple[int, ...]  # sizes of the non-batch dims
     optional: bool = False
     activation: bool = False  # in the activation dtype (value, key, query, gate); else any float dtype
+    ranked: bool = False  # a step input [batch, R, heads, ...] (key and query at rank R > 1): the kernels take a rank stride
 
     @property
     def param(self) -> str:
@@ -197,6 +198,7 @@ def plan_module(
             validate_config(kind, shape, bucket.config)
             if bucket.config.precompute_scores and spec.decay.granularity is DecayGranularity.CHANNEL:
                 raise UnsupportedShapeError(f"{kind.value}: precompute_scores needs a per-head decay (per-channel decay weighs the keys' channels)")
+    _refuse_unimplemented(spec, shape)
     missing = set(KernelKind) - set(configs)
     if missing:
         raise UnsupportedShapeError(f"no configs for kernels: {', '.join(sorted(k.value for k in missing))}")
@@ -235,6 +237,21 @@ def plan_module(
         state_identity=state_identity(spec, shape),
         conv=conv_plan(spec, shape),
     )
+
+
+def _refuse_unimplemented(spec: Spec, shape: TargetShape) -> None:
+    """The language's features no template of this version renders yet: refused by name, before anything renders."""
+    features = {
+        "the trapezoid update": spec.update.kind is UpdateKind.TRAPEZOID,
+        "a per-token decay rate": spec.decay.token_rate is not None,
+        "the rmsnorm transform": VectorTransform.RMSNORM in (spec.key.transform, spec.query.transform),
+        "a key or query weight or bias": any((spec.key.weight, spec.key.bias, spec.query.weight, spec.query.bias)),
+        "a rotary transform": spec.rotary is not None,
+        "rank > 1": shape.rank > 1,
+    }
+    missing = [name for name, used in features.items() if used]
+    if missing:
+        raise UnsupportedShapeError(f"{spec.name}/{shape.name}: no template of this replaygen version renders {', '.join(missing)} yet")
 
 
 def conv_plan(spec: Spec, shape: TargetShape) -> ConvPlan | None:
@@ -317,25 +334,39 @@ def leftovers_in_memory(spec: Spec) -> bool:
     return not (spec.key.transform is VectorTransform.L2NORM or spec.query.transform is VectorTransform.L2NORM)
 
 
+# Symbols of the rank and of the rotary angles in generated docstrings.
+RANK_SYMBOL = "R"
+ANGLES_SYMBOL = "A"
+
+
 def api_tensors(spec: Spec, shape: TargetShape) -> tuple[tuple[TensorArg, ...], tuple[TensorArg, ...]]:
     """The per-token inputs and the weights of the generated API, in argument order."""
     d = spec.dims
     channel = spec.decay.granularity is DecayGranularity.CHANNEL
     decay_shape = ("batch", d.heads, d.key_dim) if channel else ("batch", d.heads)
     decay_sizes = (shape.heads, shape.key_dim) if channel else (shape.heads,)
+    ranked = shape.rank > 1
+    key_shape = ("batch", RANK_SYMBOL, d.key_heads, d.key_dim) if ranked else ("batch", d.key_heads, d.key_dim)
+    key_sizes = (shape.rank, shape.key_heads, shape.key_dim) if ranked else (shape.key_heads, shape.key_dim)
     inputs = [
         TensorArg(spec.inputs.value, ("batch", d.heads, d.value_dim), (shape.heads, shape.value_dim), activation=True),
-        TensorArg(spec.inputs.key, ("batch", d.key_heads, d.key_dim), (shape.key_heads, shape.key_dim), activation=True),
-        TensorArg(spec.inputs.query, ("batch", d.key_heads, d.key_dim), (shape.key_heads, shape.key_dim), activation=True),
+        TensorArg(spec.inputs.key, key_shape, key_sizes, activation=True, ranked=ranked),
+        TensorArg(spec.inputs.query, key_shape, key_sizes, activation=True, ranked=ranked),
         TensorArg(spec.decay.input, decay_shape, decay_sizes, optional=spec.decay.direct_input is not None),
     ]
     if spec.decay.direct_input:
         inputs.append(TensorArg(spec.decay.direct_input, decay_shape, decay_sizes, optional=True))
+    if spec.decay.token_rate:
+        inputs.append(TensorArg(spec.decay.token_rate.input, ("batch", d.heads), (shape.heads,)))
     if spec.update.weight_input:
         optional = spec.update.weight_direct_input is not None
         inputs.append(TensorArg(spec.update.weight_input, ("batch", d.heads), (shape.heads,), optional=optional))
     if spec.update.weight_direct_input:
         inputs.append(TensorArg(spec.update.weight_direct_input, ("batch", d.heads), (shape.heads,), optional=True))
+    if spec.update.mix_input:
+        inputs.append(TensorArg(spec.update.mix_input, ("batch", d.heads), (shape.heads,)))
+    if spec.rotary:
+        inputs.append(TensorArg(spec.rotary.angle_input, ("batch", ANGLES_SYMBOL), (spec.rotary.angles(shape.key_dim),)))
     if spec.readout.gate:
         gate = spec.readout.gate
         inputs.append(TensorArg(gate.input, ("batch", d.heads, d.value_dim), (shape.heads, shape.value_dim), optional=gate.optional, activation=True))
@@ -345,9 +376,36 @@ def api_tensors(spec: Spec, shape: TargetShape) -> tuple[tuple[TensorArg, ...], 
     if spec.decay.bias:
         bias_shape = (d.heads, d.key_dim) if channel else (d.heads,)
         weights.append(TensorArg(spec.decay.bias, bias_shape, (shape.heads, shape.key_dim) if channel else (shape.heads,)))
+    weights += transform_weights(spec, shape)
     if spec.readout.skip:
         weights.append(TensorArg(spec.readout.skip, (d.heads,), (shape.heads,)))
+    weights += rank_weights(spec, shape)
     return tuple(inputs), tuple(weights)
+
+
+def transform_weights(spec: Spec, shape: TargetShape) -> list[TensorArg]:
+    """The key's and then the query's normalisation weight [key_dim] and per-head bias [heads, key_dim] (at rank R > 1
+    [heads, R, key_dim]), where the spec has them."""
+    d = spec.dims
+    ranked = shape.rank > 1
+    bias_shape = (d.heads, RANK_SYMBOL, d.key_dim) if ranked else (d.heads, d.key_dim)
+    bias_sizes = (shape.heads, shape.rank, shape.key_dim) if ranked else (shape.heads, shape.key_dim)
+    weights = []
+    for vector in (spec.key, spec.query):
+        if vector.weight:
+            weights.append(TensorArg(vector.weight, (d.key_dim,), (shape.key_dim,)))
+        if vector.bias:
+            weights.append(TensorArg(vector.bias, bias_shape, bias_sizes))
+    return weights
+
+
+def rank_weights(spec: Spec, shape: TargetShape) -> list[TensorArg]:
+    """The value, gate and output scales [heads, R, value_dim] of a shape of rank R > 1 (none at rank 1)."""
+    if shape.rank == 1:
+        return []
+    d, ranks = spec.dims, spec.ranks
+    names = [ranks.value_scale, ranks.gate_scale, ranks.output_scale]
+    return [TensorArg(name, (d.heads, RANK_SYMBOL, d.value_dim), (shape.heads, shape.rank, shape.value_dim)) for name in names if name]
 
 
 def buffers(spec: Spec, shape: TargetShape) -> tuple[BufferField, ...]:

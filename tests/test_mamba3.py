@@ -1,0 +1,157 @@
+"""Mamba-3 from its spec alone: the spec's float64 reference against state-spaces/mamba's step semantics, written
+here on their own terms (its `Mamba3.step`: the rotary of `apply_rotary_qk_inference_reference`, the update of
+`selective_state_update_fused_ref_v2`), SISO and MIMO."""
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from replaygen.reference import Reference
+from replaygen.spec import load_spec
+from replaygen.spec.model import DecayForm, RotaryPairing, TargetShape, UpdateKind, VectorTransform
+
+from conftest import ROOT
+
+MAMBA3 = load_spec(ROOT / "specs" / "mamba3.yaml")
+SISO = TargetShape("siso", heads=4, key_heads=2, value_dim=8, key_dim=16, capacity=8, window=2, rotary_pairing=RotaryPairing.ADJACENT)
+MIMO = replace(SISO, name="mimo", rank=2, rotary_pairing=RotaryPairing.HALVES)
+
+
+def test_shipped_spec():
+    assert MAMBA3.update.kind is UpdateKind.TRAPEZOID and MAMBA3.decay.form is DecayForm.NEG_RATE_SOFTPLUS
+    assert MAMBA3.key.transform is VectorTransform.RMSNORM and MAMBA3.key.bias == "B_bias"
+    siso, mimo = MAMBA3.shape("mamba3"), MAMBA3.shape("mamba3-mimo")
+    assert (siso.heads, siso.key_heads, siso.value_dim, siso.key_dim, siso.rank) == (64, 1, 64, 128, 1)
+    assert (mimo.rank, mimo.rotary_pairing, siso.rotary_pairing) == (4, RotaryPairing.HALVES, RotaryPairing.ADJACENT)
+    assert MAMBA3.rotary.angles(128) == 32 and MAMBA3.rotary.angles(64) == 16
+    assert {(s.window, s.capacity) for s in MAMBA3.shapes} == {(4, 16), (4, 28), (2, 30)}
+
+
+# --- state-spaces/mamba's Mamba3.step, on its own terms -----------------------------------------------------------
+
+
+def heavy_tail(x):
+    return torch.where(x < 0, 1 / (1 - x.clamp(max=0)), 1 + x)
+
+
+def rms_norm(x, weight, eps=1e-5):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def rotary(t, cos, sin, pairwise):
+    """state-spaces' inference rotary on t [b, R, H, N] with cos, sin [b, 1, H, A]: interleaved pairs (pairwise, SISO)
+    or the two halves of N (MIMO), angles past A leaving their pairs as they are."""
+    if pairwise:
+        rot = t[..., : 2 * cos.shape[-1]].unflatten(-1, (-1, 2))
+        even, odd = rot[..., 0], rot[..., 1]
+        turned = torch.stack([even * cos - odd * sin, even * sin + odd * cos], -1).flatten(-2)
+        return torch.cat([turned, t[..., 2 * cos.shape[-1]:]], -1)
+    half = t.shape[-1] // 2
+    pad = half - cos.shape[-1]
+    cos = F.pad(cos, (0, pad), value=1.0)
+    sin = F.pad(sin, (0, pad), value=0.0)
+    low, high = t[..., :half], t[..., half:]
+    return torch.cat([low * cos - high * sin, low * sin + high * cos], -1)
+
+
+def state_spaces_step(raw, params, states, mimo):
+    """One `Mamba3.step` after in_proj, float64: raw per-token inputs (z, x [b, H, P], B, C [b, R, G, N], dd_dt, dd_A,
+    trap [b, H], angles [b, A]) and states (angle [b, H, A], ssm [b, H, P, N], k [b, R, H, N], v [b, H, P]) -> (out
+    [b, H, P], next states)."""
+    angle_state, ssm_state, k_state, v_state = states
+    heads = raw["x"].shape[1]
+    A = torch.clamp(-heavy_tail(raw["dd_A"]), max=-params["A_floor"])
+    DT = F.softplus(raw["dd_dt"] + params["dt_bias"])
+    trap = torch.sigmoid(raw["trap"])
+    groups = raw["B"].shape[2]
+    B = rms_norm(raw["B"], params["B_norm"]).repeat_interleave(heads // groups, dim=2)  # [b, R, H, N]
+    C = rms_norm(raw["C"], params["C_norm"]).repeat_interleave(heads // groups, dim=2)
+    # the rotary step: the angle advances by tanh(angle_proj) * dt * pi; biases added before the turn
+    angle = angle_state + torch.tanh(raw["angles"])[:, None, :] * DT[:, :, None] * math.pi
+    cos, sin = torch.cos(angle)[:, None], torch.sin(angle)[:, None]
+    C = rotary(C + params["C_bias"].transpose(0, 1)[None], cos, sin, pairwise=not mimo)
+    B = rotary(B + params["B_bias"].transpose(0, 1)[None], cos, sin, pairwise=not mimo)
+    # the fused update: x scaled per rank, the previous entry weighted by (1 - trap) dt alpha, this one by trap dt
+    xproj, zproj, outproj = (params[name].transpose(0, 1) for name in ("mimo_x", "mimo_z", "mimo_o"))  # [R, H, P]
+    alpha = torch.exp(A * DT)
+    beta = (1 - trap) * DT * alpha
+    gamma = trap * DT
+    x_r = raw["x"][:, None] * xproj[None]
+    prev_r = v_state[:, None] * xproj[None]
+    new = ssm_state * alpha[..., None, None]
+    new = new + torch.einsum("brhp,brhn->bhpn", prev_r * beta[:, None, :, None], k_state)
+    new = new + torch.einsum("brhp,brhn->bhpn", x_r * gamma[:, None, :, None], B)
+    out_r = torch.einsum("bhpn,brhn->brhp", new, C) + x_r * params["D"][None, None, :, None]
+    z_r = raw["z"][:, None] * zproj[None]
+    out_r = out_r * z_r * torch.sigmoid(z_r)
+    out = (out_r * outproj[None]).sum(1)
+    return out, (angle, new, B, raw["x"])
+
+
+def random_layer(shape, gen, steps, batch):
+    """Weights and `steps` tokens of raw inputs for `batch` sequences, float64, as Mamba3's layer makes them (B, C
+    always [b, R, G, N]; the rank-1 scales ones, as Mamba3.step passes them at SISO)."""
+    def randn(*size):
+        return torch.randn(*size, generator=gen, dtype=torch.float64)
+
+    H, G, P, N, R = shape.heads, shape.key_heads, shape.value_dim, shape.key_dim, shape.rank
+    A = MAMBA3.rotary.angles(N)
+    ones = torch.ones(H, R, P, dtype=torch.float64)
+    params = {
+        "dt_bias": -1 - 3 * torch.rand(H, generator=gen, dtype=torch.float64), "A_floor": 1e-4, "D": randn(H),
+        "B_norm": 1 + 0.2 * randn(N), "C_norm": 1 + 0.2 * randn(N), "B_bias": 1 + 0.3 * randn(H, R, N), "C_bias": 1 + 0.3 * randn(H, R, N),
+        "mimo_x": 1 + 0.3 * randn(H, R, P) if R > 1 else ones, "mimo_z": 1 + 0.3 * randn(H, R, P) if R > 1 else ones,
+        "mimo_o": 1 + 0.3 * randn(H, R, P) if R > 1 else ones,
+    }
+    tokens = [
+        {"z": randn(batch, H, P), "x": randn(batch, H, P), "B": randn(batch, R, G, N), "C": randn(batch, R, G, N), "dd_dt": 0.5 * randn(batch, H),
+         "dd_A": randn(batch, H), "trap": randn(batch, H), "angles": 2 * randn(batch, A)}
+        for _ in range(steps)
+    ]
+    return params, tokens
+
+
+def ours(shape, raw, params):
+    """The same step in the spec's names: the reference's inputs and weights (rank-1 keys [b, G, N], no scales)."""
+    key = (lambda t: t) if shape.rank > 1 else (lambda t: t[:, 0])
+    bias = (lambda t: t) if shape.rank > 1 else (lambda t: t[:, 0])
+    inputs = {**{k: raw[k] for k in ("x", "dd_dt", "dd_A", "trap", "angles", "z")}, "B": key(raw["B"]), "C": key(raw["C"])}
+    weights = {"dt_bias": params["dt_bias"], "D": params["D"], "B_norm": params["B_norm"], "C_norm": params["C_norm"],
+               "B_bias": bias(params["B_bias"]), "C_bias": bias(params["C_bias"])}
+    if shape.rank > 1:
+        weights.update({k: params[k] for k in ("mimo_x", "mimo_z", "mimo_o")})
+    return inputs, weights
+
+
+@pytest.mark.parametrize("shape", [SISO, MIMO], ids=lambda s: s.name)
+def test_reference_is_state_spaces_step(shape):
+    """Twelve steps from random states: outputs, SSM state, angle (mod 2 pi), previous key and value after each."""
+    gen = torch.Generator().manual_seed(3)
+    batch, H, P, N, R = 3, shape.heads, shape.value_dim, shape.key_dim, shape.rank
+    A = MAMBA3.rotary.angles(N)
+    params, tokens = random_layer(shape, gen, 12, batch)
+    states = (6 * torch.rand(batch, H, A, generator=gen, dtype=torch.float64), torch.randn(batch, H, P, N, generator=gen, dtype=torch.float64),
+              torch.randn(batch, R, H, N, generator=gen, dtype=torch.float64), torch.randn(batch, H, P, generator=gen, dtype=torch.float64))
+    reference = Reference(MAMBA3, shape, batch)
+    reference.load(list(range(batch)), states[1], angle=states[0], last_key=states[2].transpose(1, 2), last_value=states[3])
+    for raw in tokens:
+        want, states = state_spaces_step(raw, params, states, mimo=R > 1)
+        got = reference.decode(list(range(batch)), *ours(shape, raw, params))
+        carried = reference.carried
+        assert torch.allclose(got, want, rtol=1e-10, atol=1e-10)
+        assert torch.allclose(carried.state, states[1], rtol=1e-10, atol=1e-10)
+        assert torch.allclose(torch.remainder(carried.angle - states[0] + math.pi, 2 * math.pi) - math.pi, torch.zeros_like(states[0]), atol=1e-10)
+        assert torch.allclose(carried.last_key, states[2].transpose(1, 2), rtol=1e-10, atol=1e-10)
+        assert torch.equal(carried.last_value, states[3])
+
+
+def test_kernels_are_refused_until_rendered():
+    from replaygen.configs import module_defaults
+    from replaygen.errors import UnsupportedShapeError
+    from replaygen.plan import plan_module
+
+    with pytest.raises(UnsupportedShapeError, match="no template of this replaygen version renders the trapezoid update"):
+        plan_module(MAMBA3, SISO, "any", module_defaults(MAMBA3, SISO), "defaults")
