@@ -219,11 +219,15 @@ def max_state_warps(shape: TargetShape, block_v: int) -> int:
     return max(1, state_tile_elements(shape, block_v) // 32)
 
 
-def default_configs(kind: KernelKind, shape: TargetShape, *, channel_decay: bool = False, delta_rule: bool = False) -> tuple[BucketConfig, ...]:
+def default_configs(
+    kind: KernelKind, shape: TargetShape, *, channel_decay: bool = False, delta_rule: bool = False, shared_scores: bool = True, whole_head_baseline: bool = False
+) -> tuple[BucketConfig, ...]:
     """Hand-picked defaults for one kernel kind, used where no tuning record applies (`channel_decay`: the spec
     decays per channel, so the scores cannot be precomputed once per key head; `delta_rule`: the spec's update is
-    the delta rule, whose verify window carries a triangular solve and the key readouts). Distilled from the
-    H100's tuning records; docs/design.md, "Defaults", says which and why:
+    the delta rule, whose verify window carries a triangular solve and the key readouts; `shared_scores`: False
+    where the scores kernel does not apply (`shares_scores`); `whole_head_baseline`: the baselines run one program
+    per head, whose carried key and angle it rewrites). Distilled from the H100's tuning records; docs/design.md,
+    "Defaults", says which and why:
     - replay decode: up to batch 8, 32 value rows, 4 warps, the flush fused into the decode kernel, flush every L
       steps; above, one warp per 32 value rows, the ring read only where live, precomputed scores overlapped with
       the decode kernel, the state streamed evict-first, every row's flush on the same steps (align_flushes, where
@@ -237,7 +241,7 @@ def default_configs(kind: KernelKind, shape: TargetShape, *, channel_decay: bool
     (max_state_warps).
     """
     cap = max(16, _next_pow2(shape.value_dim))
-    scores = not channel_decay
+    scores = shared_scores and not channel_decay
     if kind is KernelKind.REPLAY_DECODE:
         return (
             BucketConfig(8, KernelConfig(block_v=min(32, cap), num_warps=min(4, max_state_warps(shape, min(32, cap))))),
@@ -261,6 +265,8 @@ def default_configs(kind: KernelKind, shape: TargetShape, *, channel_decay: bool
         return (single, BucketConfig(8, small), BucketConfig(None, large))
     if kind is KernelKind.COMMIT:
         return (BucketConfig(None, KernelConfig(block_v=max(CURSOR_GRAIN, _next_pow2(shape.value_dim)), num_warps=4)),)
+    if whole_head_baseline and kind in (KernelKind.BASELINE_DECODE, KernelKind.BASELINE_VERIFY):
+        return (BucketConfig(None, KernelConfig(block_v=cap, num_warps=min(4, max_state_warps(shape, cap)))),)
     return (BucketConfig(None, KernelConfig(block_v=16, num_warps=min(4, max_state_warps(shape, 16)))),)
 
 
@@ -268,7 +274,14 @@ def module_defaults(spec: Spec, shape: TargetShape) -> dict[KernelKind, tuple[Bu
     """`default_configs` of every kernel kind for `shape` of `spec`."""
     channel = spec.decay.granularity is DecayGranularity.CHANNEL
     delta = spec.update.kind is UpdateKind.DELTA
-    return {kind: default_configs(kind, shape, channel_decay=channel, delta_rule=delta) for kind in KernelKind}
+    shared, whole = shares_scores(spec, shape), spec.carries
+    return {kind: default_configs(kind, shape, channel_decay=channel, delta_rule=delta, shared_scores=shared, whole_head_baseline=whole) for kind in KernelKind}
+
+
+def shares_scores(spec: Spec, shape: TargetShape) -> bool:
+    """Whether the scores kernel (precompute_scores) applies to `shape` of `spec`, decay granularity aside: one key
+    per key head and step, shared by its heads, and no carried entry (whose scores it does not compute)."""
+    return not spec.keys_per_head and not spec.carries and shape.rank == 1
 
 
 def _next_pow2(n: int) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from replaygen.configs import MIN_DOT, BucketConfig, KernelKind, validate_config
+from replaygen.configs import MIN_DOT, BucketConfig, KernelKind, shares_scores, validate_config
 from replaygen.errors import UnsupportedShapeError
 from replaygen.spec.model import (
     CacheField,
@@ -18,6 +18,7 @@ from replaygen.spec.model import (
     DecayGranularity,
     DType,
     QueryScale,
+    RotaryPairing,
     Rounding,
     Spec,
     StateLayout,
@@ -75,6 +76,13 @@ class Roles:
     direct_weight: str | None
     skip: str | None
     gate: str | None
+    rate_input: str | None = None  # the per-token decay rate (decay.token_rate)
+    mix_input: str | None = None  # the trapezoid's mix
+    angle_input: str | None = None  # the rotary angle input
+    key_weight: str | None = None  # the key's normalisation weight and per-head bias
+    key_bias: str | None = None
+    query_weight: str | None = None
+    query_bias: str | None = None
 
 
 @dataclass(frozen=True)
@@ -126,6 +134,24 @@ class ConvPlan:
         return -(-self.channels // self.block_c)
 
 
+@dataclass(frozen=True)
+class RotaryPlan:
+    """The rotary transform: ANGLES pairs of channels per head, (i, i + key_dim / 2) where `halves`, else (2i, 2i + 1)."""
+
+    angles: int
+    halves: bool
+
+
+@dataclass(frozen=True)
+class CarriedField:
+    """A tensor a recurrence carries per slot beside its state (the module's SlotStates), float32."""
+
+    name: str  # its attribute, e.g. "angle"
+    shape: tuple[str, ...]  # symbols of its trailing dims
+    sizes: tuple[int, ...]  # its trailing sizes per slot
+    doc: str  # what it holds
+
+
 # The conv kernel's launch: it moves a few bytes per channel and token (reads W - 1 + T, writes T), so wide blocks of
 # channels and no tuning; a spec's conv kernels take these.
 CONV_BLOCK_C = 256
@@ -170,10 +196,26 @@ class ModulePlan:
     buffers: tuple[BufferField, ...]
     state_identity: str  # what a replay state's buffers mean (see state_identity)
     conv: ConvPlan | None = None  # the conv kernel, where the spec has a conv
+    key_rmsnorm: bool = False  # the key / query normalised by their root mean square (key_eps, query_eps)
+    query_rmsnorm: bool = False
+    token_rate: str | None = None  # the decay rate per token: "heavy_tail" or "exp" of its input, at least rate_floor
+    rate_floor: float = 0.0
+    trapezoid: bool = False  # the trapezoid update: each step also adds its carry weight times the previous entry
+    rotary: RotaryPlan | None = None  # the rotary transform of key and query, the angle carried per head
+    keys_per_head: bool = False  # transformed keys differ per head (a per-head bias or angle): the key ring has a row per head
+    carried: tuple[CarriedField, ...] = ()  # what the recurrence carries beside the state (see carried_fields)
+    shared_scores: bool = True  # the scores kernel is rendered: one key per key head and step (configs.shares_scores)
 
     @property
     def module_name(self) -> str:
         return f"{self.spec.name}_{self.shape.ident}"
+
+    @property
+    def anchored(self) -> bool:
+        """Whether the ring keeps, in the row before its oldest entry, the entry the checkpoint carries (the
+        trapezoid's previous value and key, the angle): every flush then leaves its newest entry there, and a
+        rollback of drafts rolls the carried entry back with the cursor."""
+        return bool(self.carried)
 
     @property
     def keys_across_lanes(self) -> bool:
@@ -198,6 +240,16 @@ def plan_module(
             validate_config(kind, shape, bucket.config)
             if bucket.config.precompute_scores and spec.decay.granularity is DecayGranularity.CHANNEL:
                 raise UnsupportedShapeError(f"{kind.value}: precompute_scores needs a per-head decay (per-channel decay weighs the keys' channels)")
+            if bucket.config.precompute_scores and not shares_scores(spec, shape):
+                raise UnsupportedShapeError(
+                    f"{kind.value}: precompute_scores scores one key per key head and step, but this spec's keys differ per head or rank,"
+                    " or its steps carry an entry the scores leave out"
+                )
+            if kind in (KernelKind.BASELINE_DECODE, KernelKind.BASELINE_VERIFY) and spec.carries and bucket.config.block_v < shape.value_dim:
+                raise UnsupportedShapeError(
+                    f"{kind.value}: block_v={bucket.config.block_v} < value_dim={shape.value_dim}: the key and angle the recurrence carries are"
+                    " one per head, read and rewritten by the one program of the head"
+                )
     _refuse_unimplemented(spec, shape)
     missing = set(KernelKind) - set(configs)
     if missing:
@@ -236,17 +288,21 @@ def plan_module(
         buffers=buffers(spec, shape),
         state_identity=state_identity(spec, shape),
         conv=conv_plan(spec, shape),
+        key_rmsnorm=spec.key.transform is VectorTransform.RMSNORM,
+        query_rmsnorm=spec.query.transform is VectorTransform.RMSNORM,
+        token_rate=spec.decay.token_rate.activation.value if spec.decay.token_rate else None,
+        rate_floor=spec.decay.token_rate.floor if spec.decay.token_rate else 0.0,
+        trapezoid=spec.update.kind is UpdateKind.TRAPEZOID,
+        rotary=RotaryPlan(spec.rotary.angles(shape.key_dim), shape.rotary_pairing is RotaryPairing.HALVES) if spec.rotary else None,
+        keys_per_head=spec.keys_per_head,
+        carried=carried_fields(spec, shape),
+        shared_scores=shares_scores(spec, shape),
     )
 
 
 def _refuse_unimplemented(spec: Spec, shape: TargetShape) -> None:
     """The language's features no template of this version renders yet: refused by name, before anything renders."""
     features = {
-        "the trapezoid update": spec.update.kind is UpdateKind.TRAPEZOID,
-        "a per-token decay rate": spec.decay.token_rate is not None,
-        "the rmsnorm transform": VectorTransform.RMSNORM in (spec.key.transform, spec.query.transform),
-        "a key or query weight or bias": any((spec.key.weight, spec.key.bias, spec.query.weight, spec.query.bias)),
-        "a rotary transform": spec.rotary is not None,
         "rank > 1": shape.rank > 1,
     }
     missing = [name for name, used in features.items() if used]
@@ -294,7 +350,29 @@ def roles(spec: Spec) -> Roles:
         direct_weight=param(spec.update.weight_direct_input),
         skip=param(spec.readout.skip),
         gate=param(spec.readout.gate.input if spec.readout.gate else None),
+        rate_input=param(spec.decay.token_rate.input if spec.decay.token_rate else None),
+        mix_input=param(spec.update.mix_input),
+        angle_input=param(spec.rotary.angle_input if spec.rotary else None),
+        key_weight=param(spec.key.weight),
+        key_bias=param(spec.key.bias),
+        query_weight=param(spec.query.weight),
+        query_bias=param(spec.query.bias),
     )
+
+
+def carried_fields(spec: Spec, shape: TargetShape) -> tuple[CarriedField, ...]:
+    """What the recurrence carries per slot beside the state: the rotary angles, and the trapezoid's previous entry
+    (the value and the key as the update used it)."""
+    d = spec.dims
+    fields = []
+    if spec.rotary:
+        fields.append(CarriedField("angle", (d.heads, ANGLES_SYMBOL), (shape.heads, spec.rotary.angles(shape.key_dim)), "the rotary angle of each pair after the last step, in [0, 2 pi)"))
+    if spec.update.kind is UpdateKind.TRAPEZOID:
+        fields.append(CarriedField("last_value", (d.heads, d.value_dim), (shape.heads, shape.value_dim), "the last step's value"))
+        key_shape = (d.heads, RANK_SYMBOL, d.key_dim) if shape.rank > 1 else (d.heads, d.key_dim)
+        key_sizes = (shape.heads, shape.rank, shape.key_dim) if shape.rank > 1 else (shape.heads, shape.key_dim)
+        fields.append(CarriedField("last_key", key_shape, key_sizes, "the last step's key as its update used it (transformed, per head)"))
+    return tuple(fields)
 
 
 def optional_inputs(spec: Spec, step_inputs: tuple[TensorArg, ...]) -> tuple[OptionalInput, ...]:
@@ -330,8 +408,10 @@ def leftovers_in_memory(spec: Spec) -> bool:
     step runs as if nothing were buffered and its state store skips such tiles; then an out-of-line function folds
     their entries into the checkpoint in memory, a few value rows per call, and the step is redone from it. Where
     the step normalizes its key or query, the normalization would otherwise wait for the check (docs/design.md,
-    "Flush-every-step decode")."""
-    return not (spec.key.transform is VectorTransform.L2NORM or spec.query.transform is VectorTransform.L2NORM)
+    "Flush-every-step decode"); but where the step carries its previous entry or angle, which the newest buffered entry
+    holds, it waits for the cursor anyway, and folds first."""
+    normalised = spec.key.transform is VectorTransform.L2NORM or spec.query.transform is VectorTransform.L2NORM
+    return spec.carries or not normalised
 
 
 # Symbols of the rank and of the rotary angles in generated docstrings.
@@ -417,11 +497,15 @@ def buffers(spec: Spec, shape: TargetShape) -> tuple[BufferField, ...]:
         if f in (CacheField.VALUE, CacheField.CORRECTED_VALUE):
             fields.append(BufferField(f, "buf_value", False, shape.value_dim, cached.dtype))
         elif f is CacheField.KEY:
-            fields.append(BufferField(f, "buf_key", True, shape.key_dim, cached.dtype))
+            fields.append(BufferField(f, "buf_key", not spec.keys_per_head, shape.rank * shape.key_dim, cached.dtype))
         elif f is CacheField.LOG_DECAY:
             fields.append(BufferField(f, "buf_log_decay", False, shape.key_dim if channel else 1, cached.dtype))
         elif f is CacheField.WEIGHT:
             fields.append(BufferField(f, "buf_weight", False, 1, cached.dtype))
+        elif f is CacheField.CARRY_WEIGHT:
+            fields.append(BufferField(f, "buf_carry_weight", False, 1, cached.dtype))
+        elif f is CacheField.ANGLE:
+            fields.append(BufferField(f, "buf_angle", False, spec.rotary.angles(shape.key_dim), cached.dtype))
     return tuple(fields)
 
 
@@ -433,9 +517,11 @@ def state_identity(spec: Spec, shape: TargetShape) -> str:
     allocation is checked apart)."""
     cache = " ".join(f"{c.field.value}:{c.dtype.value if c.dtype else 'activation'}" for c in spec.cache_of(shape))
     rounding = " stochastic" if shape.rounding is Rounding.STOCHASTIC else ""
+    rank = f" rank={shape.rank}" if shape.rank > 1 else ""
+    rotary = f"; rotary {shape.rotary_pairing.value}" if shape.rotary_pairing else ""
     return (
-        f"{spec.name}/{shape.name}: heads={shape.heads} key_heads={shape.key_heads} value_dim={shape.value_dim} key_dim={shape.key_dim}"
-        f" L={shape.capacity} T={shape.window}; state {shape.state_dtype.value}{rounding} {shape.layout.value}; cache {cache}"
+        f"{spec.name}/{shape.name}: heads={shape.heads} key_heads={shape.key_heads} value_dim={shape.value_dim} key_dim={shape.key_dim}{rank}"
+        f" L={shape.capacity} T={shape.window}; state {shape.state_dtype.value}{rounding} {shape.layout.value}; cache {cache}{rotary}"
     )
 
 

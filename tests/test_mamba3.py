@@ -9,11 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from replaygen.configs import BucketConfig, KernelConfig, KernelKind
+from replaygen.harness import InputFactory, check_decode, check_speculative, check_speculative_through_flushes, load_reference, relative_error, state_errors
 from replaygen.reference import Reference
+from replaygen.runtime import load_kernels
 from replaygen.spec import load_spec
 from replaygen.spec.model import DecayForm, RotaryPairing, TargetShape, UpdateKind, VectorTransform
 
-from conftest import ROOT
+from conftest import DEVICE, ROOT
 
 MAMBA3 = load_spec(ROOT / "specs" / "mamba3.yaml")
 SISO = TargetShape("siso", heads=4, key_heads=2, value_dim=8, key_dim=16, capacity=8, window=2, rotary_pairing=RotaryPairing.ADJACENT)
@@ -153,5 +156,70 @@ def test_kernels_are_refused_until_rendered():
     from replaygen.errors import UnsupportedShapeError
     from replaygen.plan import plan_module
 
-    with pytest.raises(UnsupportedShapeError, match="no template of this replaygen version renders the trapezoid update"):
-        plan_module(MAMBA3, SISO, "any", module_defaults(MAMBA3, SISO), "defaults")
+    with pytest.raises(UnsupportedShapeError, match="no template of this replaygen version renders rank > 1"):
+        plan_module(MAMBA3, MIMO, "any", module_defaults(MAMBA3, MIMO), "defaults")
+
+
+# --- the generated kernels -----------------------------------------------------------------------------------------
+
+
+def assert_passes(report):
+    assert report.ok, "\n".join(report.lines())
+
+
+@pytest.fixture(scope="module", params=[SISO], ids=lambda s: s.name)
+def kernels(request):
+    return request.param, load_kernels(MAMBA3, request.param)
+
+
+@pytest.mark.parametrize("route", ["output_only", "state_and_output"])
+def test_decode_against_the_reference(kernels, route):
+    """Replay and baseline decode, materialize and load over two flush cycles: outputs, states, angles and the
+    carried entry after every step, padded rows and poisoned unused slots included."""
+    shape, module = kernels
+    report = check_decode(module, MAMBA3, shape, device=DEVICE, route=route, cycles=2, seed=1)
+    assert_passes(report)
+    assert {"replay_decode", "baseline_decode", "materialize", "materialize_carried", "baseline_state", "baseline_carried"} <= set(report.worst)
+
+
+def test_verify_against_the_reference(kernels):
+    """Replay verify + commit with random acceptance (the angle and the carried entry roll back with the cursor), then
+    every draft accepted through two flushes; the per-draft-snapshot baseline beside it; verify mixed with decode."""
+    shape, module = kernels
+    for report in check_speculative_through_flushes(module, MAMBA3, shape, random_steps=6, device=DEVICE, seed=3):
+        assert_passes(report)
+        assert {"replay_verify", "baseline_verify", "materialize_carried", "baseline_carried"} <= set(report.worst)
+    assert_passes(check_speculative(module, MAMBA3, shape, device=DEVICE, accept="none", mixed=True, steps=7, seed=4))
+
+
+def test_half_activations(kernels):
+    shape, module = kernels
+    assert_passes(check_decode(module, MAMBA3, shape, device=DEVICE, act_dtype=torch.bfloat16, use_gate=False, cycles=1, seed=5))
+    assert_passes(check_speculative(module, MAMBA3, shape, device=DEVICE, act_dtype=torch.float16, steps=5, seed=6))
+
+
+@pytest.mark.parametrize("config", [
+    pytest.param(dict(block_v=8), id="fused-flush"),
+    pytest.param(dict(block_v=8, num_warps=2, fused_flush=False, fold_chunk=2), id="flush-launch-two-warps"),
+    pytest.param(dict(block_v=16, fold_dot=True, prefetch_ring=False, fold_chunk=1), id="dot-fold-no-prefetch"),
+])
+def test_flush_threshold_changes_between_steps(config):
+    """flush_at changing from step to step (1: the baseline's step on the checkpoint, after folding the entries a
+    larger threshold left): the carried entry and angle follow each flush into the ring row before the buffer.
+    Two value blocks per head where block_v is 8, so a head's carried key and angle are written by its first."""
+    shape = replace(SISO, value_dim=16, capacity=6, window=1)
+    module = load_kernels(MAMBA3, shape, {KernelKind.REPLAY_DECODE: (BucketConfig(None, KernelConfig(**config)),)})
+    factory = InputFactory(MAMBA3, shape, DEVICE, torch.float32, seed=5)
+    weights = factory.weights()
+    state = module.allocate(3, DEVICE, torch.float32)
+    reference = Reference(MAMBA3, shape, 3)
+    slots = torch.tensor([2, 0], dtype=torch.int32, device=DEVICE)
+    init = factory.full_states(module, 2)
+    module.load(state, slots, init)
+    load_reference(reference, [2, 0], init)
+    for step, flush_at in enumerate([5, 5, 5, 1, 6, 6, 2, 3, 1, 1, 4, 4]):
+        inputs = factory.step(2)
+        y = module.decode(state, slots, **inputs, **weights, flush_at=flush_at)
+        assert relative_error(y, reference.decode([2, 0], inputs, weights)) < 1e-4, f"step {step} (flush_at={flush_at})"
+        errors = state_errors(reference, module.materialize(state, slots), [2, 0])
+        assert max(errors) < 1e-4, f"state after step {step}"

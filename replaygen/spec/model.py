@@ -314,6 +314,18 @@ class Spec:
                 return entry
         return None
 
+    @property
+    def keys_per_head(self) -> bool:
+        """Whether a step's transformed key differs per head although the input is per key head: a per-head bias, or a
+        rotary angle (advanced by each head's dt')."""
+        return self.key.bias is not None or self.rotary is not None
+
+    @property
+    def carries(self) -> bool:
+        """Whether the recurrence carries more than its state from one step to the next: the rotary angle, the
+        trapezoid's previous entry."""
+        return self.rotary is not None or self.update.kind is UpdateKind.TRAPEZOID
+
     def cache_of(self, shape: TargetShape) -> tuple[CachedField, ...]:
         """The cached fields of `shape`'s replay buffer, in the spec's order: the spec's dtypes, or the shape's own."""
         own = {entry.field: entry for entry in shape.cache_dtypes}
