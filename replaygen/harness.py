@@ -330,7 +330,7 @@ def check_decode(
         y_base = module.baseline_decode(baseline, slots, **inputs, **weights, out=sentinel.clone(), **rounding)
         for name, y in (("replay_decode", y_rep), ("baseline_decode", y_base)):
             _compare(errors, name, y, y_ref, rows, padded, step)
-        _compare_states(errors, module, replay, reference, slots, rows, [row_slots[r] for r in rows], step)
+        _compare_states(errors, module, replay, reference, slots, rows, [row_slots[r] for r in rows], step, materialize_weights(spec, shape, weights))
         if rows:
             active = [row_slots[r] for r in rows]
             _record_states(errors, "baseline", state_errors(reference, baseline[active], active), step)
@@ -347,12 +347,18 @@ def _compare(errors: KernelErrors, name: str, y: torch.Tensor, y_ref: torch.Tens
         errors.record(name + " (padding row written)", float("inf"), step)
 
 
-def _compare_states(errors, module, replay, reference, slots, rows, row_slots, step) -> None:
-    """materialize of every row (NaN-prefilled) against the reference's states."""
+def materialize_weights(spec: Spec, shape: TargetShape, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weights a module's `materialize` takes: the value scale at rank > 1 (its fold scales each buffered value per
+    rank), none otherwise."""
+    return {spec.ranks.value_scale: weights[spec.ranks.value_scale]} if shape.rank > 1 else {}
+
+
+def _compare_states(errors, module, replay, reference, slots, rows, row_slots, step, weights) -> None:
+    """materialize of every row (NaN-prefilled) against the reference's states; `weights` as materialize_weights."""
     out = module.allocate_baseline(slots.shape[0], slots.device)
     for _, tensor in _named_tensors("out", out):
         tensor.fill_(float("nan"))
-    mat = module.materialize(replay, slots, out=out)
+    mat = module.materialize(replay, slots, out=out, **weights)
     if rows:
         _record_states(errors, "materialize", state_errors(reference, mat[rows], row_slots), step)
 
@@ -445,7 +451,7 @@ def check_speculative(
             if compare_baseline:
                 module.baseline_commit(current, slots, accepted, tokens)
             reference.commit(row_slots, counts)
-        _compare_states(errors, module, replay, reference, slots, rows, [row_slots[r] for r in rows], step)
+        _compare_states(errors, module, replay, reference, slots, rows, [row_slots[r] for r in rows], step, materialize_weights(spec, shape, weights))
         if compare_baseline and rows:
             active = [row_slots[r] for r in rows]
             committed = snapshots[active, current[active].long()]

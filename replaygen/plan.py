@@ -83,6 +83,9 @@ class Roles:
     key_bias: str | None = None
     query_weight: str | None = None
     query_bias: str | None = None
+    value_scale: str | None = None  # the rank weights (shapes of rank > 1)
+    gate_scale: str | None = None
+    output_scale: str | None = None
 
 
 @dataclass(frozen=True)
@@ -205,10 +208,18 @@ class ModulePlan:
     keys_per_head: bool = False  # transformed keys differ per head (a per-head bias or angle): the key ring has a row per head
     carried: tuple[CarriedField, ...] = ()  # what the recurrence carries beside the state (see carried_fields)
     shared_scores: bool = True  # the scores kernel is rendered: one key per key head and step (configs.shares_scores)
+    rank: int = 1  # R: keys and queries per token (above 1: rows of rank tiles, the rank weights)
+    block_rank: int = 1  # the rank tiles' rows: next_pow2(R)
 
     @property
     def module_name(self) -> str:
         return f"{self.spec.name}_{self.shape.ident}"
+
+    @property
+    def ranked(self) -> bool:
+        """Whether a step has R > 1 keys and queries: key and query tiles get a row per rank (and, in a window, per
+        token and rank), updates and readouts sum over ranks with the rank weights."""
+        return self.rank > 1
 
     @property
     def anchored(self) -> bool:
@@ -245,12 +256,13 @@ def plan_module(
                     f"{kind.value}: precompute_scores scores one key per key head and step, but this spec's keys differ per head or rank,"
                     " or its steps carry an entry the scores leave out"
                 )
+            if bucket.config.fold_dot and shape.rank > 1:
+                raise UnsupportedShapeError(f"{kind.value}: fold_dot folds one key per entry; a shape of rank {shape.rank} folds {shape.rank}")
             if kind in (KernelKind.BASELINE_DECODE, KernelKind.BASELINE_VERIFY) and spec.carries and bucket.config.block_v < shape.value_dim:
                 raise UnsupportedShapeError(
                     f"{kind.value}: block_v={bucket.config.block_v} < value_dim={shape.value_dim}: the key and angle the recurrence carries are"
                     " one per head, read and rewritten by the one program of the head"
                 )
-    _refuse_unimplemented(spec, shape)
     missing = set(KernelKind) - set(configs)
     if missing:
         raise UnsupportedShapeError(f"no configs for kernels: {', '.join(sorted(k.value for k in missing))}")
@@ -282,7 +294,7 @@ def plan_module(
         exclusive_pairs=exclusive_pairs(spec, step_inputs),
         fold_leftovers_in_memory=leftovers_in_memory(spec),
         stochastic_rounding=STOCHASTIC_GRIDS[shape.state_dtype] if shape.rounding is Rounding.STOCHASTIC else None,
-        roles=roles(spec),
+        roles=roles(spec, shape.rank > 1),
         step_inputs=step_inputs,
         weights=weights,
         buffers=buffers(spec, shape),
@@ -297,17 +309,9 @@ def plan_module(
         keys_per_head=spec.keys_per_head,
         carried=carried_fields(spec, shape),
         shared_scores=shares_scores(spec, shape),
+        rank=shape.rank,
+        block_rank=_next_pow2(shape.rank),
     )
-
-
-def _refuse_unimplemented(spec: Spec, shape: TargetShape) -> None:
-    """The language's features no template of this version renders yet: refused by name, before anything renders."""
-    features = {
-        "rank > 1": shape.rank > 1,
-    }
-    missing = [name for name, used in features.items() if used]
-    if missing:
-        raise UnsupportedShapeError(f"{spec.name}/{shape.name}: no template of this replaygen version renders {', '.join(missing)} yet")
 
 
 def conv_plan(spec: Spec, shape: TargetShape) -> ConvPlan | None:
@@ -334,7 +338,9 @@ def conv_plan(spec: Spec, shape: TargetShape) -> ConvPlan | None:
     )
 
 
-def roles(spec: Spec) -> Roles:
+def roles(spec: Spec, ranked: bool = False) -> Roles:
+    """The kernel spellings of the spec's tensors; the rank weights where `ranked` (a shape of rank > 1 takes them)."""
+
     def param(name: str | None) -> str | None:
         return None if name is None else SPEC_NAME_PREFIX + name
 
@@ -357,6 +363,9 @@ def roles(spec: Spec) -> Roles:
         key_bias=param(spec.key.bias),
         query_weight=param(spec.query.weight),
         query_bias=param(spec.query.bias),
+        value_scale=param(spec.ranks.value_scale if ranked else None),
+        gate_scale=param(spec.ranks.gate_scale if ranked else None),
+        output_scale=param(spec.ranks.output_scale if ranked else None),
     )
 
 

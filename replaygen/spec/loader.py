@@ -204,7 +204,7 @@ class _SpecBuilder:
         query = self._vector(top.get("query"), allow_scale=True)
         readout = self._readout(top["readout"])
         rotary = self._rotary(top.get("rotary"), decay)
-        ranks = self._ranks(top.get("ranks"), update, readout)
+        ranks = self._ranks(top.get("ranks"), update, decay, readout)
         state = self._state(top["state"])
         activations = self._activations(top["activations"])
         cache, capacity, window = self._replay(top["replay"], update, decay, rotary)
@@ -384,12 +384,14 @@ class _SpecBuilder:
         pairing = _enum(m["pairing"], RotaryPairing) if m.get("pairing") is not None else RotaryPairing.ADJACENT
         return Rotary(angle_input, fraction, pairing)
 
-    def _ranks(self, node: Node | None, update: Update, readout: Readout) -> Ranks | None:
+    def _ranks(self, node: Node | None, update: Update, decay: Decay, readout: Readout) -> Ranks | None:
         if node is None:
             return None
         m = _Map(node, required={"value_scale", "output_scale"}, optional={"gate_scale"})
         if update.kind is UpdateKind.DELTA:
             raise node.error("rank-R steps update additively ('additive' or 'trapezoid'), not by the delta rule")
+        if decay.granularity is not DecayGranularity.HEAD:
+            raise node.error("rank-R steps decay per head (decay.granularity 'head')")
         if m.get("gate_scale") is not None and readout.gate is None:
             raise node.error("'gate_scale' scales the gate per rank, but readout has no gate", "gate_scale")
         names = {}
