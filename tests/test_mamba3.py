@@ -305,3 +305,86 @@ def test_a_token_rate_by_exp():
     module = load_kernels(spec, shape)
     assert "tl.exp(tl.load(in_dd_A_ptr" in open(module.__file__).read()
     assert_passes(check_decode(module, spec, shape, device=DEVICE, route="state_and_output", batch=2, cycles=2, seed=10))
+
+
+# --- the API's checks ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def siso():
+    return load_kernels(MAMBA3, SISO)
+
+
+@pytest.fixture(scope="module")
+def mimo():
+    return load_kernels(MAMBA3, KERNEL_SHAPES[1])
+
+
+class TestBadInput:
+    def test_states_must_be_slot_states(self, siso):
+        state = siso.allocate(2, DEVICE, torch.float32)
+        slots = torch.tensor([0], dtype=torch.int32, device=DEVICE)
+        with pytest.raises(TypeError, match=r"states must be SlotStates \(this recurrence carries angle, last_value, last_key beside its state\)"):
+            siso.load(state, slots, torch.zeros((1, *siso.STATE_SHAPE), device=DEVICE))
+        factory = InputFactory(MAMBA3, SISO, DEVICE, torch.float32, 0)
+        weights = factory.weights()
+        with pytest.raises(TypeError, match="state must be SlotStates from allocate_baseline"):
+            siso.baseline_decode(torch.zeros((2, *siso.STATE_SHAPE), device=DEVICE), slots, **factory.step(1), **weights)
+        current = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+        with pytest.raises(TypeError, match=r"snapshots must be SlotStates \[slots, T\] from allocate_snapshots"):
+            siso.baseline_verify(torch.zeros((2, 2, *siso.STATE_SHAPE), device=DEVICE), current, slots, **factory.window(1, 2), **weights)
+
+    def test_carried_shapes_and_dtypes(self, siso):
+        state = siso.allocate(2, DEVICE, torch.float32)
+        slots = torch.tensor([0], dtype=torch.int32, device=DEVICE)
+        good = siso.SlotStates.zeros((1,), DEVICE)
+        with pytest.raises(ValueError, match=r"states.last_key has shape \(1, 4, 15\), expected \(1, 4, 16\)"):
+            siso.load(state, slots, siso.SlotStates(good.state, good.angle, good.last_value, torch.zeros(1, 4, 15, device=DEVICE)))
+        with pytest.raises(TypeError, match="states.angle has dtype torch.int32"):
+            siso.load(state, slots, siso.SlotStates(good.state, good.angle.int(), good.last_value, good.last_key))
+        with pytest.raises(ValueError, match="states.last_value must be contiguous"):
+            siso.load(state, slots, siso.SlotStates(good.state, good.angle, torch.zeros(1, 8, 4, device=DEVICE).transpose(1, 2), good.last_key))
+        with pytest.raises(TypeError, match="out.angle has dtype torch.float16"):
+            siso.materialize(state, slots, out=siso.SlotStates(good.state, good.angle.half(), good.last_value, good.last_key))
+
+    def test_ranked_inputs(self, mimo):
+        shape = KERNEL_SHAPES[1]
+        factory = InputFactory(MAMBA3, shape, DEVICE, torch.float32, 0)
+        state = mimo.allocate(2, DEVICE, torch.float32)
+        slots = torch.tensor([0], dtype=torch.int32, device=DEVICE)
+        inputs, weights = factory.step(1), factory.weights()
+        with pytest.raises(ValueError, match=r"B has shape \(1, 1, 16\), expected \(1, 2, 1, 16\)"):
+            mimo.decode(state, slots, **{**inputs, "B": inputs["B"][:, 0]}, **weights)
+        with pytest.raises(ValueError, match=r"angles has shape \(1, 3\), expected \(1, 4\)"):
+            mimo.decode(state, slots, **{**inputs, "angles": inputs["angles"][:, :3]}, **weights)
+        with pytest.raises(ValueError, match=r"mimo_x has shape \(2, 1, 8\), expected \(2, 2, 8\)"):
+            mimo.materialize(state, slots, mimo_x=weights["mimo_x"][:, :1])
+        with pytest.raises(TypeError, match="missing 1 required keyword-only argument: 'mimo_x'"):
+            mimo.materialize(state, slots)
+
+
+def test_configs_the_features_refuse():
+    """Knobs a carrying or ranked shape cannot run are refused before anything renders, each with its reason; the
+    defaults avoid them, and no scores kernel is rendered."""
+    from replaygen.configs import module_defaults
+    from replaygen.errors import UnsupportedShapeError
+    from replaygen.codegen import render_module
+    from replaygen.plan import plan_module
+
+    mimo = KERNEL_SHAPES[1]
+    refused = [
+        (SISO, KernelKind.REPLAY_DECODE, KernelConfig(block_v=8, precompute_scores=True), "precompute_scores scores one key per key head and step"),
+        (SISO, KernelKind.BASELINE_DECODE, KernelConfig(block_v=8, num_warps=1), None),  # a block of the whole head
+        (replace(SISO, value_dim=16), KernelKind.BASELINE_VERIFY, KernelConfig(block_v=8, num_warps=1), r"block_v=8 < value_dim=16: the key and angle the recurrence carries are one per head"),
+        (mimo, KernelKind.REPLAY_VERIFY, KernelConfig(block_v=16, num_warps=1, fold_dot=True), "fold_dot folds one key per entry; a shape of rank 2 folds 2"),
+    ]
+    for shape, kind, config, message in refused:
+        tables = module_defaults(MAMBA3, shape)
+        tables[kind] = (BucketConfig(None, config),)
+        if message is None:
+            plan_module(MAMBA3, shape, "any", tables, "defaults")
+            continue
+        with pytest.raises(UnsupportedShapeError, match=message):
+            plan_module(MAMBA3, shape, "any", tables, "defaults")
+    source = render_module(plan_module(MAMBA3, mimo, "any", module_defaults(MAMBA3, mimo), "defaults"))
+    assert "def _scores_kernel" not in source and "def _launch_scores" not in source
