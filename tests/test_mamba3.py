@@ -14,7 +14,7 @@ from replaygen.harness import InputFactory, check_decode, check_speculative, che
 from replaygen.reference import Reference
 from replaygen.runtime import load_kernels
 from replaygen.spec import load_spec, load_spec_text
-from replaygen.spec.model import DecayForm, RotaryPairing, TargetShape, UpdateKind, VectorTransform
+from replaygen.spec.model import DecayForm, DType, RotaryPairing, Rounding, StateLayout, TargetShape, UpdateKind, VectorTransform
 
 from conftest import DEVICE, ROOT
 
@@ -271,6 +271,25 @@ def test_kernels_follow_state_spaces(shape):
         assert turn.abs().max() < 1e-4, f"{run}: angle"
         assert relative_error(final.last_key.reshape(batch, H, R, N), states[2].transpose(1, 2)) < 1e-4, f"{run}: previous key"
         assert relative_error(final.last_value, states[3]) < 1e-5, f"{run}: previous value"
+
+
+@pytest.mark.parametrize("shape", [
+    pytest.param(replace(SISO, heads=3, key_heads=1, value_dim=12, key_dim=20, capacity=5, layout=StateLayout.KEY_VALUE), id="siso-key-value"),
+    pytest.param(replace(MIMO, heads=2, key_heads=2, value_dim=12, key_dim=20, capacity=5, rank=3), id="rank-3"),
+])
+def test_odd_sizes(shape):
+    """Value rows and key channels past the block (12 of 16, 20 of 32; five or ten rotary pairs of 20 channels), rank 3
+    of a 4-row tile, the [key, value] state layout: decode and verify against the reference."""
+    module = load_kernels(MAMBA3, shape)
+    assert_passes(check_decode(module, MAMBA3, shape, device=DEVICE, batch=2, cycles=2, seed=11))
+    assert_passes(check_speculative(module, MAMBA3, shape, device=DEVICE, batch=2, steps=4, seed=12))
+
+
+def test_a_bfloat16_state_rounded_stochastically():
+    shape = replace(SISO, heads=2, key_heads=1, capacity=4, state_dtype=DType.BFLOAT16, rounding=Rounding.STOCHASTIC)
+    module = load_kernels(MAMBA3, shape)
+    assert_passes(check_decode(module, MAMBA3, shape, device=DEVICE, batch=2, cycles=2, seed=13))
+    assert_passes(check_speculative(module, MAMBA3, shape, device=DEVICE, batch=2, steps=4, seed=14))
 
 
 # --- the features apart from Mamba-3 -------------------------------------------------------------------------------
