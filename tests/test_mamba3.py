@@ -1,6 +1,8 @@
-"""Mamba-3 from its spec alone: the spec's float64 reference against state-spaces/mamba's step semantics, written
-here on their own terms (its `Mamba3.step`: the rotary of `apply_rotary_qk_inference_reference`, the update of
-`selective_state_update_fused_ref_v2`), SISO and MIMO."""
+"""Mamba-3 from its spec alone, SISO and MIMO: the spec's float64 reference against state-spaces/mamba's step
+semantics, written here on their own terms (its `Mamba3.step`: the rotary of `apply_rotary_qk_inference_reference`,
+the update of `selective_state_update_fused_ref_v2`); every generated kernel against the reference (flushes,
+rollbacks, padded rows, poisoned slots, changing flush thresholds, odd sizes, a 16-bit state); the kernels against
+state-spaces' semantics end to end; the language's features apart from Mamba-3; the API's checks."""
 
 import math
 from dataclasses import replace
