@@ -409,3 +409,19 @@ def test_configs_the_features_refuse():
             plan_module(MAMBA3, shape, "any", tables, "defaults")
     source = render_module(plan_module(MAMBA3, mimo, "any", module_defaults(MAMBA3, mimo), "defaults"))
     assert "def _scores_kernel" not in source and "def _launch_scores" not in source
+
+
+def test_search_spaces_hold_only_what_renders():
+    """The tuner's spaces for Mamba-3: no scores kernel, no fold_dot at rank > 1, baselines over whole heads; every
+    default renders."""
+    from replaygen.keys import render_candidate
+    from replaygen.tune.study import plan_tasks
+
+    shapes = (MAMBA3.shape("mamba3"), MAMBA3.shape("mamba3-mimo-mtp"))
+    for task in plan_tasks(MAMBA3, shapes, tuple(KernelKind), (1, 256)):
+        choices = {p.name: p.choices for p in task.space.parameters}
+        assert choices["precompute_scores"] == (False,) and choices["window_block_v"] == (0,)
+        assert choices["fold_dot"] == ((False,) if task.shape.rank > 1 or task.kind not in (KernelKind.REPLAY_DECODE, KernelKind.REPLAY_VERIFY) else (False, True))
+        if task.kind in (KernelKind.BASELINE_DECODE, KernelKind.BASELINE_VERIFY):
+            assert choices["block_v"] == (64,)
+        render_candidate(MAMBA3, task.shape, task.kind, task.space.default)

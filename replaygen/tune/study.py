@@ -45,7 +45,7 @@ from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
 from replaygen.codegen import template_hash
-from replaygen.configs import KernelConfig, KernelKind
+from replaygen.configs import KernelConfig, KernelKind, shares_scores
 from replaygen.errors import ReplaygenError
 from replaygen.spec.model import DecayGranularity, Spec, TargetShape, UpdateKind
 from replaygen.traffic import state_bytes
@@ -117,7 +117,10 @@ def plan_tasks(spec: Spec, shapes: tuple[TargetShape, ...], kinds: tuple[KernelK
     for shape in shapes:
         for batch in batches:
             for kind in kinds:
-                space = derive_space(kind, shape, batch, spec.decay.granularity is DecayGranularity.CHANNEL, spec.update.kind is UpdateKind.DELTA)
+                space = derive_space(
+                    kind, shape, batch, spec.decay.granularity is DecayGranularity.CHANNEL, spec.update.kind is UpdateKind.DELTA,
+                    shares_scores(spec, shape), spec.carries,
+                )
                 for name, value in fixed:
                     if name in {p.name for p in space.free}:
                         space = space.fix(name, value)
