@@ -450,7 +450,8 @@ def _reduced(shape):
 
 
 def _describe(shape) -> str:
-    return f"heads={shape.heads} key_heads={shape.key_heads} value_dim={shape.value_dim} key_dim={shape.key_dim} L={shape.capacity} T={shape.window}"
+    rank = f" rank={shape.rank}" if shape.rank > 1 else ""
+    return f"heads={shape.heads} key_heads={shape.key_heads} value_dim={shape.value_dim} key_dim={shape.key_dim}{rank} L={shape.capacity} T={shape.window}"
 
 
 def cmd_show(args: argparse.Namespace) -> int:

@@ -12,7 +12,7 @@ import enum
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from replaygen.errors import UnsupportedShapeError
-from replaygen.spec.model import DecayGranularity, Spec, TargetShape, UpdateKind
+from replaygen.spec.model import DecayGranularity, Spec, TargetShape, UpdateKind, VectorTransform
 
 # Groups of slots whose aligned flushes fall on different steps of the clock, unless `build --flush-groups` says
 # otherwise: with 2, each flushing step folds half the rows and costs about one baseline step.
@@ -68,6 +68,28 @@ REPLAY_KINDS = frozenset({KernelKind.REPLAY_DECODE, KernelKind.REPLAY_VERIFY})
 DECODE = frozenset({KernelKind.REPLAY_DECODE})
 VERIFY = frozenset({KernelKind.REPLAY_VERIFY})
 STATE_STREAMING_KINDS = frozenset(STATE_TILE_KINDS)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpecTraits:
+    """What a spec's recurrence allows one shape's kernel configs, derived from the spec once (`spec_traits`)."""
+
+    channel_decay: bool = False  # the decay is per key channel: no scores kernel, no key tiles
+    delta_rule: bool = False  # the delta rule: a verify window's triangular solve; corrected values cached at the buffers' precision
+    shared_scores: bool = True  # one key per key head and step, no carried entry, rank 1 (`shares_scores`)
+    whole_head_baseline: bool = False  # the baselines run one program per head (they rewrite a carried key and angle)
+    one_factor_transforms: bool = True  # the key and query transforms scale the raw vector by one factor (none, or l2norm alone)
+
+    @property
+    def scores(self) -> bool:
+        """The scores kernel (precompute_scores) applies."""
+        return self.shared_scores and not self.channel_decay
+
+    @property
+    def key_tiles(self) -> bool:
+        """The key-tiled decode (block_k) applies: the scores' conditions, and key and query slices that are the raw
+        slices times one factor."""
+        return self.scores and self.one_factor_transforms
 
 
 def _knob(default: object, kinds: frozenset[KernelKind], doc: str) -> object:
@@ -237,13 +259,12 @@ def max_state_warps(shape: TargetShape, block_v: int, block_k: int = 0) -> int:
     return max(1, state_tile_elements(shape, block_v, block_k) // 32)
 
 
-def default_configs(kind: KernelKind, shape: TargetShape, *, channel_decay: bool = False, delta_rule: bool = False) -> tuple[BucketConfig, ...]:
-    """Hand-picked defaults for one kernel kind, used where no tuning record applies (`channel_decay`: the spec
-    decays per channel, so the scores cannot be precomputed once per key head; `delta_rule`: the spec's update is
-    the delta rule, whose verify window carries a triangular solve and the key readouts). Distilled from the
-    H100's tuning records; docs/design.md, "Defaults", says which and why:
+def default_configs(kind: KernelKind, shape: TargetShape, traits: SpecTraits = SpecTraits()) -> tuple[BucketConfig, ...]:
+    """Hand-picked defaults for one kernel kind, used where no tuning record applies (`traits`: what the spec's
+    recurrence allows, `spec_traits`). Distilled from the H100's tuning records; docs/design.md, "Defaults", says
+    which and why:
     - replay decode: up to batch 8, 32 value rows, 4 warps, the flush fused into the decode kernel, flush every L
-      steps; above, for the delta rule with a per-head decay, the key-tiled state route (`key_tiled_state_route`);
+      steps; above, for the delta rule where key tiles run, the key-tiled state route (`key_tiled_state_route`);
       otherwise one warp per 32 value rows, the ring read only where live, precomputed scores overlapped with the
       decode kernel, the state streamed evict-first, every row's flush on the same steps (align_flushes, where the
       scores kernel runs) in two groups of slots half a period apart.
@@ -256,75 +277,93 @@ def default_configs(kind: KernelKind, shape: TargetShape, *, channel_decay: bool
     (max_state_warps).
     """
     cap = max(16, _next_pow2(shape.value_dim))
-    scores = not channel_decay
+    scores = traits.scores
     if kind is KernelKind.REPLAY_DECODE:
-        tiled = key_tiled_state_route(shape, channel_decay=channel_decay, delta_rule=delta_rule) if delta_rule else None
+        tiled = key_tiled_state_route(shape, traits) if traits.delta_rule else None
         return (
             BucketConfig(8, KernelConfig(block_v=min(32, cap), num_warps=min(4, max_state_warps(shape, min(32, cap))))),
-            BucketConfig(None, tiled or whole_key_output_only(shape, channel_decay=channel_decay)),
+            BucketConfig(None, tiled or whole_key_output_only(shape, traits)),
         )
     if kind is KernelKind.REPLAY_VERIFY:
         single = BucketConfig(1, KernelConfig(block_v=CURSOR_GRAIN, num_warps=1, route=Route.STATE_AND_OUTPUT, evict_state=True))
         small = KernelConfig(block_v=min(16, cap), num_warps=1, precompute_scores=scores, overlap_scores=scores, evict_state=True)
         if not scores:
             return (single, BucketConfig(None, small))
-        if delta_rule:
+        if traits.delta_rule:
             large = replace(small, fold_chunk=2, prefetch_ring=False, window_block_v=min(64, cap), window_warps=1)
         else:
             large = replace(small, fold_chunk=2, max_registers=128 if shape.key_dim <= 128 else 0)
         return (single, BucketConfig(8, small), BucketConfig(None, large))
     if kind is KernelKind.COMMIT:
         return (BucketConfig(None, KernelConfig(block_v=max(CURSOR_GRAIN, _next_pow2(shape.value_dim)), num_warps=4)),)
+    if traits.whole_head_baseline and kind in (KernelKind.BASELINE_DECODE, KernelKind.BASELINE_VERIFY):
+        return (BucketConfig(None, KernelConfig(block_v=cap, num_warps=min(4, max_state_warps(shape, cap)))),)
     return (BucketConfig(None, KernelConfig(block_v=16, num_warps=min(4, max_state_warps(shape, 16)))),)
 
 
-def whole_key_output_only(shape: TargetShape, *, channel_decay: bool = False) -> KernelConfig:
+def whole_key_output_only(shape: TargetShape, traits: SpecTraits = SpecTraits()) -> KernelConfig:
     """Replay decode's buffering step on the whole key axis, output-only: one warp per 32 value rows, the ring read
-    only where live, precomputed scores overlapped with the decode kernel (per-head decay), the state streamed
-    evict-first, the rows' flushes aligned in two groups of slots half a period apart (where the scores kernel runs)."""
-    scores = not channel_decay
+    only where live, precomputed scores overlapped with the decode kernel, the state streamed evict-first, the rows'
+    flushes aligned in two groups of slots half a period apart (the last three where the scores kernel runs)."""
+    scores = traits.scores
     return KernelConfig(
         block_v=min(32, max(16, _next_pow2(shape.value_dim))), num_warps=1, prefetch_ring=False, precompute_scores=scores, overlap_scores=scores,
         evict_state=True, align_flushes=scores, flush_groups=min(DEFAULT_FLUSH_GROUPS, shape.capacity) if scores else 1,
     )
 
 
-def key_tiled_state_route(shape: TargetShape, *, channel_decay: bool = False, delta_rule: bool = False) -> KernelConfig | None:
+def key_tiled_state_route(shape: TargetShape, traits: SpecTraits = SpecTraits()) -> KernelConfig | None:
     """Replay decode's buffering step over key tiles on the state route (block_k): one warp per 64 value rows, key
     slices of half the key axis in a loop of three pipeline stages, each slice of the state formed by one
     tensor-core product, in the 16-bit buffers' dtype for the delta rule (its corrected values are cached at that
     precision, so its state is no more exact than the buffer) and in tf32x3 otherwise (the additive rule caches raw
-    inputs and keeps a float32-exact fold). None where block_k cannot run: a per-channel decay, or a key axis below
-    32 (slices of at least 16) or value rows below 16 (the product's smallest side)."""
+    inputs and keeps a float32-exact fold). None where block_k cannot run: not `traits.key_tiles`, a key axis below 32
+    (slices of at least 16) or value rows below 16 (the product's smallest side)."""
     top_k = _next_pow2(shape.key_dim)
-    if channel_decay or top_k < 2 * MIN_DOT or shape.value_dim < MIN_DOT:
+    if not traits.key_tiles or top_k < 2 * MIN_DOT or shape.value_dim < MIN_DOT:
         return None
     block_v = min(64, max(16, _next_pow2(shape.value_dim)))
     return KernelConfig(
         block_v=block_v, block_k=top_k // 2, num_warps=1, num_stages=3, route=Route.STATE_AND_OUTPUT, fold_dot=True,
-        fold_precision="key_buffer" if delta_rule else "tf32x3",
+        fold_precision="key_buffer" if traits.delta_rule else "tf32x3",
     )
 
 
-def replay_decode_structures(shape: TargetShape, batch: int, *, channel_decay: bool = False, delta_rule: bool = False) -> tuple[KernelConfig, ...]:
+def replay_decode_structures(shape: TargetShape, batch: int, traits: SpecTraits = SpecTraits()) -> tuple[KernelConfig, ...]:
     """Replay decode's kernel structures above batch 8, each in a launch shape that won on the H200 (design.md,
     "Key tiles"): the key-tiled state route, the key-tiled output-only route (two slices of half the key axis, 64 value
     rows, two stages), and the whole-key output-only step. A search starts from each (a search over the knobs alone
     rarely finds a structure the default does not have); nothing at batch 8 and below."""
     if batch <= 8:
         return ()
-    tiled = key_tiled_state_route(shape, channel_decay=channel_decay, delta_rule=delta_rule)
+    tiled = key_tiled_state_route(shape, traits)
     if tiled is None:
-        return (whole_key_output_only(shape, channel_decay=channel_decay),)
+        return (whole_key_output_only(shape, traits),)
     output_only = replace(tiled, route=Route.OUTPUT_ONLY, fold_dot=False, fold_precision=KNOB_DEFAULTS["fold_precision"], num_stages=2)
-    return (tiled, output_only, whole_key_output_only(shape, channel_decay=channel_decay))
+    return (tiled, output_only, whole_key_output_only(shape, traits))
 
 
 def module_defaults(spec: Spec, shape: TargetShape) -> dict[KernelKind, tuple[BucketConfig, ...]]:
     """`default_configs` of every kernel kind for `shape` of `spec`."""
-    channel = spec.decay.granularity is DecayGranularity.CHANNEL
-    delta = spec.update.kind is UpdateKind.DELTA
-    return {kind: default_configs(kind, shape, channel_decay=channel, delta_rule=delta) for kind in KernelKind}
+    traits = spec_traits(spec, shape)
+    return {kind: default_configs(kind, shape, traits) for kind in KernelKind}
+
+
+def shares_scores(spec: Spec, shape: TargetShape) -> bool:
+    """Whether the scores kernel (precompute_scores) applies to `shape` of `spec`, decay granularity aside: one key
+    per key head and step, shared by its heads, and no carried entry (whose scores it does not compute)."""
+    return not spec.keys_per_head and not spec.carries and shape.rank == 1
+
+
+def spec_traits(spec: Spec, shape: TargetShape) -> SpecTraits:
+    """What `spec`'s recurrence allows the kernels of `shape`."""
+    return SpecTraits(
+        channel_decay=spec.decay.granularity is DecayGranularity.CHANNEL,
+        delta_rule=spec.update.kind is UpdateKind.DELTA,
+        shared_scores=shares_scores(spec, shape),
+        whole_head_baseline=spec.carries,
+        one_factor_transforms=all(v.transform in (VectorTransform.NONE, VectorTransform.L2NORM) and v.weight is None and v.bias is None for v in (spec.key, spec.query)),
+    )
 
 
 def _next_pow2(n: int) -> int:

@@ -13,7 +13,7 @@ from types import ModuleType
 
 import torch
 
-from replaygen.harness import InputFactory, baseline_rounding, relative_error
+from replaygen.harness import InputFactory, baseline_rounding, load_reference, materialize_weights, state_errors
 from replaygen.reference import Reference
 from replaygen.spec.model import Spec, TargetShape
 
@@ -53,10 +53,10 @@ def measure_drift(
     baseline = module.allocate_baseline(batch, device)
     rounding = baseline_rounding(module, batch, device, seed)
     reference = Reference(spec, shape, batch)
-    start = factory.states(batch, tuple(module.STATE_SHAPE), module.STATE_DTYPE)
+    start = factory.full_states(module, batch)
     module.load(replay, slots, start)
-    baseline.copy_(start)
-    reference.load(rows, start.cpu())
+    baseline[rows] = start
+    load_reference(reference, rows, start)
     points, worst_replay, worst_baseline = [], 0.0, 0.0
     for step in range(1, steps + 1):
         inputs = factory.step(batch, use_gate=False)
@@ -66,8 +66,9 @@ def measure_drift(
         worst_replay = max(worst_replay, _worst_row_head(y_rep, y_ref))
         worst_baseline = max(worst_baseline, _worst_row_head(y_base, y_ref))
         if step in report_at:
-            exact = reference.to_layout(reference.states)
-            points.append(DriftPoint(step, relative_error(module.materialize(replay, slots), exact), relative_error(baseline, exact), worst_replay, worst_baseline))
+            replayed = module.materialize(replay, slots, **materialize_weights(spec, shape, weights))
+            state_error = state_errors(reference, replayed, rows)[0]
+            points.append(DriftPoint(step, state_error, state_errors(reference, baseline, rows)[0], worst_replay, worst_baseline))
             worst_replay = worst_baseline = 0.0
     return points
 

@@ -9,6 +9,7 @@ every step.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from types import ModuleType
 
@@ -20,7 +21,8 @@ from replaygen.spec.model import CacheField, DType, Spec, TargetShape, VectorTra
 from replaygen.traffic import verify_flush_period
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
-STATE_KERNELS = ("materialize", "baseline_state")  # compared as full states, at state_tolerance
+# compared as full states, at state_tolerance (the _carried ones: what a recurrence carries beside its state)
+STATE_KERNELS = ("materialize", "baseline_state", "materialize_carried", "baseline_carried")
 POISON_CURSOR = -777
 
 
@@ -31,6 +33,15 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     if not torch.isfinite(out).all():
         return float("inf")
     return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def angle_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """The largest difference of two sets of angles modulo 2 pi, over pi; inf when out has NaN/inf."""
+    out = out.detach().to("cpu", torch.float64)
+    if not torch.isfinite(out).all():
+        return float("inf")
+    turn = torch.remainder(out - ref.detach().to("cpu", torch.float64) + math.pi, 2 * math.pi) - math.pi
+    return float(turn.abs().max() / math.pi) if turn.numel() else 0.0
 
 
 class InputFactory:
@@ -51,7 +62,9 @@ class InputFactory:
         return low + (high - low) * torch.rand(size, generator=self.gen, dtype=torch.float64)
 
     def weights(self) -> dict[str, torch.Tensor]:
-        d, r = self.spec.decay, self.spec.readout
+        s = self.spec
+        d, r = s.decay, s.readout
+        scales = (s.key.weight, s.query.weight, *((s.ranks.value_scale, s.ranks.gate_scale, s.ranks.output_scale) if s.ranks else ()))
         out = {}
         for arg in self.weight_args:
             if arg.name == d.rate:
@@ -60,6 +73,10 @@ class InputFactory:
                 values = self._uniform(-4.0, -1.0, *arg.sizes)  # softplus(bias) ~ 0.02 .. 0.3
             elif arg.name == r.skip:
                 values = self._randn(*arg.sizes)
+            elif arg.name in scales:
+                values = self._uniform(0.5, 1.5, *arg.sizes)  # normalisation weights, rank scales
+            elif arg.name in (s.key.bias, s.query.bias):
+                values = 0.5 * self._randn(*arg.sizes)
             else:
                 raise AssertionError(f"no generator for weight {arg.name}")
             out[arg.name] = values.to(self.device, torch.float32)
@@ -90,6 +107,8 @@ class InputFactory:
                 values = self._uniform(0.0, 1.0, *size) if use_direct else None
             elif s.readout.gate is not None and name == s.readout.gate.input:
                 values = self._randn(*size) if use_gate or not arg.optional else None
+            elif s.rotary is not None and name == s.rotary.angle_input:
+                values = 2 * self._randn(*size)  # turns of up to pi dt' per step
             else:
                 values = self._randn(*size)
             if values is None:
@@ -102,6 +121,44 @@ class InputFactory:
     def states(self, n: int, layout_shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """`n` random states [n, *layout_shape] in `dtype` (a module's STATE_DTYPE: loaded exactly)."""
         return (0.5 * self._randn(n, *layout_shape)).to(self.device, dtype)
+
+    def full_states(self, module: ModuleType, n: int) -> object:
+        """`n` random full states for `module`: states [n, *STATE_SHAPE], or, where the spec carries more than its state,
+        the module's SlotStates (angles in [0, 2 pi), previous values and keys of the scale of the step inputs)."""
+        state = self.states(n, tuple(module.STATE_SHAPE), module.STATE_DTYPE)
+        if not self.spec.carries:
+            return state
+        carried = [
+            (self._uniform(0.0, 2 * math.pi, n, *sizes) if name == "angle" else self._randn(n, *sizes)).to(self.device, torch.float32)
+            for name, sizes in module.CARRIED
+        ]
+        return module.SlotStates(state, *carried)
+
+
+def load_reference(reference: Reference, slots: list[int], states: object) -> None:
+    """Set the reference's `slots` from full states (a tensor, or a module's SlotStates)."""
+    if isinstance(states, torch.Tensor):
+        reference.load(slots, states.cpu())
+        return
+    carried = {name: getattr(states, name).cpu() for name in ("angle", "last_value", "last_key") if hasattr(states, name)}
+    if "last_key" in carried:
+        carried["last_key"] = carried["last_key"].reshape(len(slots), *reference.carried.last_key.shape[1:])
+    reference.load(slots, states.state.cpu(), **carried)
+
+
+def state_errors(reference: Reference, got: object, slots: list[int]) -> tuple[float, float | None]:
+    """Errors of full states `got` (a tensor, or a module's SlotStates) against the reference's `slots`: the state's
+    relative error, and the largest error of what it carries (angles by angle_error; None where it carries nothing)."""
+    want = reference.carried.rows(torch.tensor(slots))
+    if isinstance(got, torch.Tensor):
+        return relative_error(got, reference.to_layout(want.state)), None
+    errors = []
+    if want.angle is not None:
+        errors.append(angle_error(got.angle, want.angle))
+    if want.last_value is not None:
+        errors.append(relative_error(got.last_value, want.last_value))
+        errors.append(relative_error(got.last_key.reshape(want.last_key.shape), want.last_key))
+    return relative_error(got.state, reference.to_layout(want.state)), max(errors)
 
 
 def baseline_rounding(module: ModuleType, num_slots: int, device: str | torch.device, seed: int = 0) -> dict[str, object]:
@@ -180,6 +237,13 @@ def _poison(tensor: torch.Tensor, slots: list[int]) -> None:
             tensor[slot] = POISON_CURSOR
 
 
+def _named_tensors(name: str, states: object) -> tuple[tuple[str, torch.Tensor], ...]:
+    """The tensors of full states (a tensor, or a module's SlotStates), named."""
+    if isinstance(states, torch.Tensor):
+        return ((name, states),)
+    return tuple((f"{name} ({index})", tensor) for index, tensor in enumerate(states.tensors()))
+
+
 def _still_poisoned(tensor: torch.Tensor, slots: list[int]) -> bool:
     part = tensor[slots]
     if tensor.dtype.is_floating_point:
@@ -245,16 +309,16 @@ def check_decode(
     rounding = baseline_rounding(module, plan.num_slots, device, seed)
     reference = Reference(spec, shape, plan.num_slots)
     all_slots = list(range(plan.num_slots))
-    for _, tensor in (*_slot_memory(replay), ("baseline state", baseline)):
+    for _, tensor in (*_slot_memory(replay), *_named_tensors("baseline state", baseline)):
         _poison(tensor, all_slots)
     errors = KernelErrors()
     for step in range(steps):
         joining = plan.joining(step)
         if joining:
-            init = factory.states(len(joining), tuple(module.STATE_SHAPE), module.STATE_DTYPE)
+            init = factory.full_states(module, len(joining))
             module.load(replay, torch.tensor(joining, dtype=torch.int32, device=device), init)
             baseline[joining] = init
-            reference.load(joining, init.cpu())
+            load_reference(reference, joining, init)
         row_slots = plan.slots(step)
         slots = torch.tensor(row_slots, dtype=torch.int32, device=device)
         rows = [r for r, s in enumerate(row_slots) if s >= 0]
@@ -266,11 +330,11 @@ def check_decode(
         y_base = module.baseline_decode(baseline, slots, **inputs, **weights, out=sentinel.clone(), **rounding)
         for name, y in (("replay_decode", y_rep), ("baseline_decode", y_base)):
             _compare(errors, name, y, y_ref, rows, padded, step)
-        _compare_states(errors, module, replay, reference, slots, rows, [row_slots[r] for r in rows], step)
+        _compare_states(errors, module, replay, reference, slots, rows, [row_slots[r] for r in rows], step, materialize_weights(spec, shape, weights))
         if rows:
-            ref_states = reference.to_layout(reference.states[[row_slots[r] for r in rows]])
-            errors.record("baseline_state", relative_error(baseline[[row_slots[r] for r in rows]], ref_states), step)
-    untouched = _untouched(replay, (("baseline state", baseline),), plan.unused)
+            active = [row_slots[r] for r in rows]
+            _record_states(errors, "baseline", state_errors(reference, baseline[active], active), step)
+    untouched = _untouched(replay, _named_tensors("baseline state", baseline), plan.unused)
     label = f"decode route={route or 'default'} flush_at={flush_at or 'default'} {str(act_dtype).replace('torch.', '')} batch={batch}"
     return CheckReport(label, steps, output_tolerance(shape, act_dtype), state_tolerance(spec, shape, act_dtype), dict(errors.worst), tuple(untouched))
 
@@ -283,12 +347,28 @@ def _compare(errors: KernelErrors, name: str, y: torch.Tensor, y_ref: torch.Tens
         errors.record(name + " (padding row written)", float("inf"), step)
 
 
-def _compare_states(errors, module, replay, reference, slots, rows, row_slots, step) -> None:
-    """materialize of every row (NaN-prefilled) against the reference's states."""
-    out = torch.full((slots.shape[0], *module.STATE_SHAPE), float("nan"), dtype=module.STATE_DTYPE, device=slots.device)
-    mat = module.materialize(replay, slots, out=out)
+def materialize_weights(spec: Spec, shape: TargetShape, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weights a module's `materialize` takes: the value scale at rank > 1 (its fold scales each buffered value per
+    rank), none otherwise."""
+    return {spec.ranks.value_scale: weights[spec.ranks.value_scale]} if shape.rank > 1 else {}
+
+
+def _compare_states(errors, module, replay, reference, slots, rows, row_slots, step, weights) -> None:
+    """materialize of every row (NaN-prefilled) against the reference's states; `weights` as materialize_weights."""
+    out = module.allocate_baseline(slots.shape[0], slots.device)
+    for _, tensor in _named_tensors("out", out):
+        tensor.fill_(float("nan"))
+    mat = module.materialize(replay, slots, out=out, **weights)
     if rows:
-        errors.record("materialize", relative_error(mat[rows], reference.to_layout(reference.states[row_slots])), step)
+        _record_states(errors, "materialize", state_errors(reference, mat[rows], row_slots), step)
+
+
+def _record_states(errors: KernelErrors, name: str, found: tuple[float, float | None], step: int) -> None:
+    """Record state_errors as `name` ("baseline" records as baseline_state) and `name`_carried."""
+    state, carried = found
+    errors.record("baseline_state" if name == "baseline" else name, state, step)
+    if carried is not None:
+        errors.record(f"{name}_carried", carried, step)
 
 
 ACCEPT_PATTERNS = ("random", "all", "none")
@@ -329,7 +409,7 @@ def check_speculative(
     rounding = baseline_rounding(module, plan.num_slots, device, seed)
     reference = Reference(spec, shape, plan.num_slots)
     all_slots = list(range(plan.num_slots))
-    for _, tensor in (*_slot_memory(replay), ("baseline snapshots", snapshots)):
+    for _, tensor in (*_slot_memory(replay), *_named_tensors("baseline snapshots", snapshots)):
         _poison(tensor, all_slots)
     low = 1 if compare_baseline else 0
     errors = KernelErrors()
@@ -337,12 +417,12 @@ def check_speculative(
     for step in range(total):
         joining = plan.joining(step)
         if joining:
-            init = factory.states(len(joining), tuple(module.STATE_SHAPE), module.STATE_DTYPE)
+            init = factory.full_states(module, len(joining))
             index = torch.tensor(joining, dtype=torch.int32, device=device)
             module.load(replay, index, init)
             snapshots[joining, 0] = init
             current[joining] = 0
-            reference.load(joining, init.cpu())
+            load_reference(reference, joining, init)
         row_slots = plan.slots(step)
         slots = torch.tensor(row_slots, dtype=torch.int32, device=device)
         rows = [r for r, s in enumerate(row_slots) if s >= 0]
@@ -371,12 +451,12 @@ def check_speculative(
             if compare_baseline:
                 module.baseline_commit(current, slots, accepted, tokens)
             reference.commit(row_slots, counts)
-        _compare_states(errors, module, replay, reference, slots, rows, [row_slots[r] for r in rows], step)
+        _compare_states(errors, module, replay, reference, slots, rows, [row_slots[r] for r in rows], step, materialize_weights(spec, shape, weights))
         if compare_baseline and rows:
             active = [row_slots[r] for r in rows]
             committed = snapshots[active, current[active].long()]
-            errors.record("baseline_state", relative_error(committed, reference.to_layout(reference.states[active])), step)
-    untouched = _untouched(replay, (("baseline snapshots", snapshots),), plan.unused)
+            _record_states(errors, "baseline", state_errors(reference, committed, active), step)
+    untouched = _untouched(replay, _named_tensors("baseline snapshots", snapshots), plan.unused)
     label = f"speculative T={tokens} accept={accept}{' mixed' if mixed else ''} {str(act_dtype).replace('torch.', '')} batch={batch}"
     return CheckReport(label, total, output_tolerance(shape, act_dtype), state_tolerance(spec, shape, act_dtype), dict(errors.worst), tuple(untouched))
 

@@ -126,6 +126,12 @@ def random_replay_states(module: ModuleType, layers: int, batch: int, act_dtype:
     return states
 
 
+def randomize_states(states: object) -> None:
+    """Fill full states (a tensor, or a module's SlotStates: the state and what it carries) with random values."""
+    for tensor in (states,) if isinstance(states, torch.Tensor) else states.tensors():
+        tensor.normal_(0, 0.5)
+
+
 def set_entry_counts(states: list, counts: torch.Tensor) -> None:
     """Every slot b of each replay state: the ring starting at position 0 with counts[b] ([batch] int32) entries."""
     for state in states:
@@ -160,7 +166,7 @@ class DecodeWorkload:
         self.baseline = [module.allocate_baseline(batch, device) for _ in range(self.layers)]
         self.rounding = [baseline_rounding(module, batch, device, layer) for layer in range(self.layers)]
         for state in self.baseline:
-            state.normal_(0, 0.5)
+            randomize_states(state)
 
     def stagger(self, flush_at: int, together: bool = False) -> None:
         """Start slot i with i % flush_at buffered entries, so sequences flush on different steps; `together`: every
@@ -253,7 +259,7 @@ class VerifyWorkload:
         if with_baseline:
             for _ in range(self.layers):
                 snapshots, current = module.allocate_snapshots(batch, device, tokens)
-                snapshots.normal_(0, 0.5)
+                randomize_states(snapshots)
                 self.snapshots.append((snapshots, current))
         self.gen = factory.gen
 

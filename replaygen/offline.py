@@ -384,7 +384,7 @@ def _calls(module: ModuleType, plan: ModulePlan, act_dtype: torch.dtype, kinds: 
     variants once."""
     import torch
 
-    from replaygen.harness import InputFactory, baseline_rounding
+    from replaygen.harness import InputFactory, baseline_rounding, materialize_weights
 
     spec, shape, tables = plan.spec, plan.shape, plan.configs
     factory = InputFactory(spec, shape, DEVICE, act_dtype, seed=0)
@@ -415,8 +415,8 @@ def _calls(module: ModuleType, plan: ModulePlan, act_dtype: torch.dtype, kinds: 
     calls: dict[KernelKind, Callable[..., object]] = {
         KernelKind.BASELINE_DECODE: lambda b, **kw: module.baseline_decode(baseline, slots(b), **step(b, **kw), **rounding),
         KernelKind.REPLAY_DECODE: lambda b, route=None, **kw: module.decode(state, slots(b), **step(b, **kw), route=route),
-        KernelKind.MATERIALIZE: lambda b: module.materialize(state, slots(b)),
-        KernelKind.LOAD: lambda b: module.load(state, slots(b), torch.zeros((b, *module.STATE_SHAPE))),
+        KernelKind.MATERIALIZE: lambda b: module.materialize(state, slots(b), **materialize_weights(spec, shape, weights)),
+        KernelKind.LOAD: lambda b: module.load(state, slots(b), module.allocate_baseline(b, DEVICE)),
         KernelKind.REPLAY_VERIFY: lambda b, **kw: module.verify(state, slots(b), **window(b, **kw)),
         KernelKind.COMMIT: lambda b: module.commit(state, slots(b), accepted(b)),
         KernelKind.BASELINE_VERIFY: lambda b, **kw: (module.baseline_verify(snapshots, current, slots(b), **window(b, **kw), **rounding), module.baseline_commit(current, slots(b), accepted(b))),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from replaygen.configs import MIN_DOT, BucketConfig, KernelKind, validate_config
+from replaygen.configs import MIN_DOT, BucketConfig, KernelKind, shares_scores, spec_traits, validate_config
 from replaygen.errors import UnsupportedShapeError
 from replaygen.spec.model import (
     CacheField,
@@ -18,6 +18,7 @@ from replaygen.spec.model import (
     DecayGranularity,
     DType,
     QueryScale,
+    RotaryPairing,
     Rounding,
     Spec,
     StateLayout,
@@ -52,6 +53,7 @@ class TensorArg:
     sizes: tuple[int, ...]  # sizes of the non-batch dims
     optional: bool = False
     activation: bool = False  # in the activation dtype (value, key, query, gate); else any float dtype
+    ranked: bool = False  # a step input [batch, R, heads, ...] (key and query at rank R > 1): the kernels take a rank stride
 
     @property
     def param(self) -> str:
@@ -74,6 +76,16 @@ class Roles:
     direct_weight: str | None
     skip: str | None
     gate: str | None
+    rate_input: str | None = None  # the per-token decay rate (decay.token_rate)
+    mix_input: str | None = None  # the trapezoid's mix
+    angle_input: str | None = None  # the rotary angle input
+    key_weight: str | None = None  # the key's normalisation weight and per-head bias
+    key_bias: str | None = None
+    query_weight: str | None = None
+    query_bias: str | None = None
+    value_scale: str | None = None  # the rank weights (shapes of rank > 1)
+    gate_scale: str | None = None
+    output_scale: str | None = None
 
 
 @dataclass(frozen=True)
@@ -125,6 +137,24 @@ class ConvPlan:
         return -(-self.channels // self.block_c)
 
 
+@dataclass(frozen=True)
+class RotaryPlan:
+    """The rotary transform: ANGLES pairs of channels per head, (i, i + key_dim / 2) where `halves`, else (2i, 2i + 1)."""
+
+    angles: int
+    halves: bool
+
+
+@dataclass(frozen=True)
+class CarriedField:
+    """A tensor a recurrence carries per slot beside its state (the module's SlotStates), float32."""
+
+    name: str  # its attribute, e.g. "angle"
+    shape: tuple[str, ...]  # symbols of its trailing dims
+    sizes: tuple[int, ...]  # its trailing sizes per slot
+    doc: str  # what it holds
+
+
 # The conv kernel's launch: it moves a few bytes per channel and token (reads W - 1 + T, writes T), so wide blocks of
 # channels and no tuning; a spec's conv kernels take these.
 CONV_BLOCK_C = 256
@@ -170,10 +200,34 @@ class ModulePlan:
     buffers: tuple[BufferField, ...]
     state_identity: str  # what a replay state's buffers mean (see state_identity)
     conv: ConvPlan | None = None  # the conv kernel, where the spec has a conv
+    key_rmsnorm: bool = False  # the key / query normalised by their root mean square (key_eps, query_eps)
+    query_rmsnorm: bool = False
+    token_rate: str | None = None  # the decay rate per token: "heavy_tail" or "exp" of its input, at least rate_floor
+    rate_floor: float = 0.0
+    trapezoid: bool = False  # the trapezoid update: each step also adds its carry weight times the previous entry
+    rotary: RotaryPlan | None = None  # the rotary transform of key and query, the angle carried per head
+    keys_per_head: bool = False  # transformed keys differ per head (a per-head bias or angle): the key ring has a row per head
+    carried: tuple[CarriedField, ...] = ()  # what the recurrence carries beside the state (see carried_fields)
+    shared_scores: bool = True  # the scores kernel is rendered: one key per key head and step (configs.shares_scores)
+    rank: int = 1  # R: keys and queries per token (above 1: rows of rank tiles, the rank weights)
+    block_rank: int = 1  # the rank tiles' rows: next_pow2(R)
 
     @property
     def module_name(self) -> str:
         return f"{self.spec.name}_{self.shape.ident}"
+
+    @property
+    def ranked(self) -> bool:
+        """Whether a step has R > 1 keys and queries: key and query tiles get a row per rank (and, in a window, per
+        token and rank), updates and readouts sum over ranks with the rank weights."""
+        return self.rank > 1
+
+    @property
+    def anchored(self) -> bool:
+        """Whether the ring keeps, in the row before its oldest entry, the entry the checkpoint carries (the
+        trapezoid's previous value and key, the angle): every flush then leaves its newest entry there, and a
+        rollback of drafts rolls the carried entry back with the cursor."""
+        return bool(self.carried)
 
     @property
     def keys_across_lanes(self) -> bool:
@@ -198,8 +252,23 @@ def plan_module(
             validate_config(kind, shape, bucket.config)
             if bucket.config.precompute_scores and spec.decay.granularity is DecayGranularity.CHANNEL:
                 raise UnsupportedShapeError(f"{kind.value}: precompute_scores needs a per-head decay (per-channel decay weighs the keys' channels)")
-            if bucket.config.block_k and spec.decay.granularity is DecayGranularity.CHANNEL:
-                raise UnsupportedShapeError(f"{kind.value}: block_k needs a per-head decay (a per-channel decay weighs the whole key axis of the ring's scores)")
+            if bucket.config.block_k and not spec_traits(spec, shape).key_tiles:
+                raise UnsupportedShapeError(
+                    f"{kind.value}: block_k slices the state and the key along the key axis: it needs a per-head decay, one key per key head and"
+                    " step with no carried entry, and key and query transforms that scale the raw vector by one factor (none, or l2norm without a weight)"
+                )
+            if bucket.config.precompute_scores and not shares_scores(spec, shape):
+                raise UnsupportedShapeError(
+                    f"{kind.value}: precompute_scores scores one key per key head and step, but this spec's keys differ per head or rank,"
+                    " or its steps carry an entry the scores leave out"
+                )
+            if bucket.config.fold_dot and shape.rank > 1:
+                raise UnsupportedShapeError(f"{kind.value}: fold_dot folds one key per entry; a shape of rank {shape.rank} folds {shape.rank}")
+            if kind in (KernelKind.BASELINE_DECODE, KernelKind.BASELINE_VERIFY) and spec.carries and bucket.config.block_v < shape.value_dim:
+                raise UnsupportedShapeError(
+                    f"{kind.value}: block_v={bucket.config.block_v} < value_dim={shape.value_dim}: the key and angle the recurrence carries are"
+                    " one per head, read and rewritten by the one program of the head"
+                )
     missing = set(KernelKind) - set(configs)
     if missing:
         raise UnsupportedShapeError(f"no configs for kernels: {', '.join(sorted(k.value for k in missing))}")
@@ -232,12 +301,23 @@ def plan_module(
         exclusive_pairs=exclusive_pairs(spec, step_inputs),
         fold_leftovers_in_memory=leftovers_in_memory(spec),
         stochastic_rounding=STOCHASTIC_GRIDS[shape.state_dtype] if shape.rounding is Rounding.STOCHASTIC else None,
-        roles=roles(spec),
+        roles=roles(spec, shape.rank > 1),
         step_inputs=step_inputs,
         weights=weights,
         buffers=buffers(spec, shape),
         state_identity=state_identity(spec, shape),
         conv=conv_plan(spec, shape),
+        key_rmsnorm=spec.key.transform is VectorTransform.RMSNORM,
+        query_rmsnorm=spec.query.transform is VectorTransform.RMSNORM,
+        token_rate=spec.decay.token_rate.activation.value if spec.decay.token_rate else None,
+        rate_floor=spec.decay.token_rate.floor if spec.decay.token_rate else 0.0,
+        trapezoid=spec.update.kind is UpdateKind.TRAPEZOID,
+        rotary=RotaryPlan(spec.rotary.angles(shape.key_dim), shape.rotary_pairing is RotaryPairing.HALVES) if spec.rotary else None,
+        keys_per_head=spec.keys_per_head,
+        carried=carried_fields(spec, shape),
+        shared_scores=shares_scores(spec, shape),
+        rank=shape.rank,
+        block_rank=_next_pow2(shape.rank),
     )
 
 
@@ -265,7 +345,9 @@ def conv_plan(spec: Spec, shape: TargetShape) -> ConvPlan | None:
     )
 
 
-def roles(spec: Spec) -> Roles:
+def roles(spec: Spec, ranked: bool = False) -> Roles:
+    """The kernel spellings of the spec's tensors; the rank weights where `ranked` (a shape of rank > 1 takes them)."""
+
     def param(name: str | None) -> str | None:
         return None if name is None else SPEC_NAME_PREFIX + name
 
@@ -281,7 +363,32 @@ def roles(spec: Spec) -> Roles:
         direct_weight=param(spec.update.weight_direct_input),
         skip=param(spec.readout.skip),
         gate=param(spec.readout.gate.input if spec.readout.gate else None),
+        rate_input=param(spec.decay.token_rate.input if spec.decay.token_rate else None),
+        mix_input=param(spec.update.mix_input),
+        angle_input=param(spec.rotary.angle_input if spec.rotary else None),
+        key_weight=param(spec.key.weight),
+        key_bias=param(spec.key.bias),
+        query_weight=param(spec.query.weight),
+        query_bias=param(spec.query.bias),
+        value_scale=param(spec.ranks.value_scale if ranked else None),
+        gate_scale=param(spec.ranks.gate_scale if ranked else None),
+        output_scale=param(spec.ranks.output_scale if ranked else None),
     )
+
+
+def carried_fields(spec: Spec, shape: TargetShape) -> tuple[CarriedField, ...]:
+    """What the recurrence carries per slot beside the state: the rotary angles, and the trapezoid's previous entry
+    (the value and the key as the update used it)."""
+    d = spec.dims
+    fields = []
+    if spec.rotary:
+        fields.append(CarriedField("angle", (d.heads, ANGLES_SYMBOL), (shape.heads, spec.rotary.angles(shape.key_dim)), "the rotary angle of each pair after the last step, in [0, 2 pi)"))
+    if spec.update.kind is UpdateKind.TRAPEZOID:
+        fields.append(CarriedField("last_value", (d.heads, d.value_dim), (shape.heads, shape.value_dim), "the last step's value"))
+        key_shape = (d.heads, RANK_SYMBOL, d.key_dim) if shape.rank > 1 else (d.heads, d.key_dim)
+        key_sizes = (shape.heads, shape.rank, shape.key_dim) if shape.rank > 1 else (shape.heads, shape.key_dim)
+        fields.append(CarriedField("last_key", key_shape, key_sizes, "the last step's key as its update used it (transformed, per head)"))
+    return tuple(fields)
 
 
 def optional_inputs(spec: Spec, step_inputs: tuple[TensorArg, ...]) -> tuple[OptionalInput, ...]:
@@ -317,8 +424,15 @@ def leftovers_in_memory(spec: Spec) -> bool:
     step runs as if nothing were buffered and its state store skips such tiles; then an out-of-line function folds
     their entries into the checkpoint in memory, a few value rows per call, and the step is redone from it. Where
     the step normalizes its key or query, the normalization would otherwise wait for the check (docs/design.md,
-    "Flush-every-step decode")."""
-    return not (spec.key.transform is VectorTransform.L2NORM or spec.query.transform is VectorTransform.L2NORM)
+    "Flush-every-step decode"); but where the step carries its previous entry or angle, which the newest buffered entry
+    holds, it waits for the cursor anyway, and folds first."""
+    normalised = spec.key.transform is VectorTransform.L2NORM or spec.query.transform is VectorTransform.L2NORM
+    return spec.carries or not normalised
+
+
+# Symbols of the rank and of the rotary angles in generated docstrings.
+RANK_SYMBOL = "R"
+ANGLES_SYMBOL = "A"
 
 
 def api_tensors(spec: Spec, shape: TargetShape) -> tuple[tuple[TensorArg, ...], tuple[TensorArg, ...]]:
@@ -327,19 +441,28 @@ def api_tensors(spec: Spec, shape: TargetShape) -> tuple[tuple[TensorArg, ...], 
     channel = spec.decay.granularity is DecayGranularity.CHANNEL
     decay_shape = ("batch", d.heads, d.key_dim) if channel else ("batch", d.heads)
     decay_sizes = (shape.heads, shape.key_dim) if channel else (shape.heads,)
+    ranked = shape.rank > 1
+    key_shape = ("batch", RANK_SYMBOL, d.key_heads, d.key_dim) if ranked else ("batch", d.key_heads, d.key_dim)
+    key_sizes = (shape.rank, shape.key_heads, shape.key_dim) if ranked else (shape.key_heads, shape.key_dim)
     inputs = [
         TensorArg(spec.inputs.value, ("batch", d.heads, d.value_dim), (shape.heads, shape.value_dim), activation=True),
-        TensorArg(spec.inputs.key, ("batch", d.key_heads, d.key_dim), (shape.key_heads, shape.key_dim), activation=True),
-        TensorArg(spec.inputs.query, ("batch", d.key_heads, d.key_dim), (shape.key_heads, shape.key_dim), activation=True),
+        TensorArg(spec.inputs.key, key_shape, key_sizes, activation=True, ranked=ranked),
+        TensorArg(spec.inputs.query, key_shape, key_sizes, activation=True, ranked=ranked),
         TensorArg(spec.decay.input, decay_shape, decay_sizes, optional=spec.decay.direct_input is not None),
     ]
     if spec.decay.direct_input:
         inputs.append(TensorArg(spec.decay.direct_input, decay_shape, decay_sizes, optional=True))
+    if spec.decay.token_rate:
+        inputs.append(TensorArg(spec.decay.token_rate.input, ("batch", d.heads), (shape.heads,)))
     if spec.update.weight_input:
         optional = spec.update.weight_direct_input is not None
         inputs.append(TensorArg(spec.update.weight_input, ("batch", d.heads), (shape.heads,), optional=optional))
     if spec.update.weight_direct_input:
         inputs.append(TensorArg(spec.update.weight_direct_input, ("batch", d.heads), (shape.heads,), optional=True))
+    if spec.update.mix_input:
+        inputs.append(TensorArg(spec.update.mix_input, ("batch", d.heads), (shape.heads,)))
+    if spec.rotary:
+        inputs.append(TensorArg(spec.rotary.angle_input, ("batch", ANGLES_SYMBOL), (spec.rotary.angles(shape.key_dim),)))
     if spec.readout.gate:
         gate = spec.readout.gate
         inputs.append(TensorArg(gate.input, ("batch", d.heads, d.value_dim), (shape.heads, shape.value_dim), optional=gate.optional, activation=True))
@@ -349,9 +472,36 @@ def api_tensors(spec: Spec, shape: TargetShape) -> tuple[tuple[TensorArg, ...], 
     if spec.decay.bias:
         bias_shape = (d.heads, d.key_dim) if channel else (d.heads,)
         weights.append(TensorArg(spec.decay.bias, bias_shape, (shape.heads, shape.key_dim) if channel else (shape.heads,)))
+    weights += transform_weights(spec, shape)
     if spec.readout.skip:
         weights.append(TensorArg(spec.readout.skip, (d.heads,), (shape.heads,)))
+    weights += rank_weights(spec, shape)
     return tuple(inputs), tuple(weights)
+
+
+def transform_weights(spec: Spec, shape: TargetShape) -> list[TensorArg]:
+    """The key's and then the query's normalisation weight [key_dim] and per-head bias [heads, key_dim] (at rank R > 1
+    [heads, R, key_dim]), where the spec has them."""
+    d = spec.dims
+    ranked = shape.rank > 1
+    bias_shape = (d.heads, RANK_SYMBOL, d.key_dim) if ranked else (d.heads, d.key_dim)
+    bias_sizes = (shape.heads, shape.rank, shape.key_dim) if ranked else (shape.heads, shape.key_dim)
+    weights = []
+    for vector in (spec.key, spec.query):
+        if vector.weight:
+            weights.append(TensorArg(vector.weight, (d.key_dim,), (shape.key_dim,)))
+        if vector.bias:
+            weights.append(TensorArg(vector.bias, bias_shape, bias_sizes))
+    return weights
+
+
+def rank_weights(spec: Spec, shape: TargetShape) -> list[TensorArg]:
+    """The value, gate and output scales [heads, R, value_dim] of a shape of rank R > 1 (none at rank 1)."""
+    if shape.rank == 1:
+        return []
+    d, ranks = spec.dims, spec.ranks
+    names = [ranks.value_scale, ranks.gate_scale, ranks.output_scale]
+    return [TensorArg(name, (d.heads, RANK_SYMBOL, d.value_dim), (shape.heads, shape.rank, shape.value_dim)) for name in names if name]
 
 
 def buffers(spec: Spec, shape: TargetShape) -> tuple[BufferField, ...]:
@@ -363,11 +513,15 @@ def buffers(spec: Spec, shape: TargetShape) -> tuple[BufferField, ...]:
         if f in (CacheField.VALUE, CacheField.CORRECTED_VALUE):
             fields.append(BufferField(f, "buf_value", False, shape.value_dim, cached.dtype))
         elif f is CacheField.KEY:
-            fields.append(BufferField(f, "buf_key", True, shape.key_dim, cached.dtype))
+            fields.append(BufferField(f, "buf_key", not spec.keys_per_head, shape.rank * shape.key_dim, cached.dtype))
         elif f is CacheField.LOG_DECAY:
             fields.append(BufferField(f, "buf_log_decay", False, shape.key_dim if channel else 1, cached.dtype))
         elif f is CacheField.WEIGHT:
             fields.append(BufferField(f, "buf_weight", False, 1, cached.dtype))
+        elif f is CacheField.CARRY_WEIGHT:
+            fields.append(BufferField(f, "buf_carry_weight", False, 1, cached.dtype))
+        elif f is CacheField.ANGLE:
+            fields.append(BufferField(f, "buf_angle", False, spec.rotary.angles(shape.key_dim), cached.dtype))
     return tuple(fields)
 
 
@@ -379,9 +533,11 @@ def state_identity(spec: Spec, shape: TargetShape) -> str:
     allocation is checked apart)."""
     cache = " ".join(f"{c.field.value}:{c.dtype.value if c.dtype else 'activation'}" for c in spec.cache_of(shape))
     rounding = " stochastic" if shape.rounding is Rounding.STOCHASTIC else ""
+    rank = f" rank={shape.rank}" if shape.rank > 1 else ""
+    rotary = f"; rotary {shape.rotary_pairing.value}" if shape.rotary_pairing else ""
     return (
-        f"{spec.name}/{shape.name}: heads={shape.heads} key_heads={shape.key_heads} value_dim={shape.value_dim} key_dim={shape.key_dim}"
-        f" L={shape.capacity} T={shape.window}; state {shape.state_dtype.value}{rounding} {shape.layout.value}; cache {cache}"
+        f"{spec.name}/{shape.name}: heads={shape.heads} key_heads={shape.key_heads} value_dim={shape.value_dim} key_dim={shape.key_dim}{rank}"
+        f" L={shape.capacity} T={shape.window}; state {shape.state_dtype.value}{rounding} {shape.layout.value}; cache {cache}{rotary}"
     )
 
 

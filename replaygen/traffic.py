@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from replaygen.configs import CURSOR_GRAIN
-from replaygen.spec.model import CacheField, DecayGranularity, DType, Spec, TargetShape
+from replaygen.spec.model import CacheField, DecayGranularity, DType, Spec, TargetShape, UpdateKind
 
 CURSOR_BYTES = 8  # int32 start + count
 
@@ -50,6 +50,17 @@ def state_bytes(spec: Spec, shape: TargetShape) -> int:
     return shape.heads * shape.value_dim * shape.key_dim * shape.state_dtype.itemsize
 
 
+def carried_bytes(spec: Spec, shape: TargetShape) -> int:
+    """Bytes of what a recurrence carries per sequence beside its state (float32 in the baseline's SlotStates): the
+    rotary angles, the trapezoid's previous value and keys."""
+    total = 0
+    if spec.rotary:
+        total += shape.heads * spec.rotary.angles(shape.key_dim) * 4
+    if spec.update.kind is UpdateKind.TRAPEZOID:
+        total += shape.heads * (shape.value_dim + shape.rank * shape.key_dim) * 4
+    return total
+
+
 def entry_bytes(spec: Spec, shape: TargetShape, act: DType) -> int:
     """Bytes of one ring-buffer entry (all cached fields, all heads)."""
     total = 0
@@ -58,23 +69,28 @@ def entry_bytes(spec: Spec, shape: TargetShape, act: DType) -> int:
         if cached.field in (CacheField.VALUE, CacheField.CORRECTED_VALUE):
             total += shape.heads * shape.value_dim * size
         elif cached.field is CacheField.KEY:
-            total += shape.key_heads * shape.key_dim * size
+            total += (shape.heads if spec.keys_per_head else shape.key_heads) * shape.rank * shape.key_dim * size
         elif cached.field is CacheField.LOG_DECAY:
             width = shape.key_dim if spec.decay.granularity is DecayGranularity.CHANNEL else 1
             total += shape.heads * width * size
+        elif cached.field is CacheField.ANGLE:
+            total += shape.heads * spec.rotary.angles(shape.key_dim) * size
         else:
             total += shape.heads * size
     return total
 
 
 def input_bytes(spec: Spec, shape: TargetShape, act: DType, with_gate: bool = False) -> int:
-    """Per-token inputs one step reads (value, key, query, decay and weight inputs, optional gate)."""
+    """Per-token inputs one step reads (value, key, query, decay, rate, weight and mix inputs, rotary angles, optional
+    gate)."""
     a = act.itemsize
-    total = shape.heads * shape.value_dim * a + 2 * shape.key_heads * shape.key_dim * a
+    total = shape.heads * shape.value_dim * a + 2 * shape.key_heads * shape.rank * shape.key_dim * a
     decay_width = shape.key_dim if spec.decay.granularity is DecayGranularity.CHANNEL else 1
     total += shape.heads * decay_width * a
-    if spec.update.weight_input:
-        total += shape.heads * a
+    per_head = (spec.update.weight_input, spec.decay.token_rate, spec.update.mix_input)
+    total += sum(shape.heads * a for present in per_head if present)
+    if spec.rotary:
+        total += spec.rotary.angles(shape.key_dim) * a
     if with_gate and spec.readout.gate is not None:
         total += shape.heads * shape.value_dim * a
     return total
@@ -85,7 +101,7 @@ def output_bytes(shape: TargetShape, act: DType) -> int:
 
 
 def baseline_decode_bytes(spec: Spec, shape: TargetShape, act: DType, with_gate: bool = False) -> StepBytes:
-    s = state_bytes(spec, shape)
+    s = state_bytes(spec, shape) + carried_bytes(spec, shape)
     return StepBytes(s, s, 0.0, 0.0, input_bytes(spec, shape, act, with_gate), output_bytes(shape, act))
 
 
@@ -94,12 +110,12 @@ def replay_decode_bytes(spec: Spec, shape: TargetShape, act: DType, flush_at: in
     period = flush_at or shape.capacity
     s = state_bytes(spec, shape)
     entry = entry_bytes(spec, shape, act)
-    mean_entries = (period - 1) / 2
+    mean_entries = (period - 1) / 2 + (1 if spec.carries else 0)  # and the entry the checkpoint carries
     return StepBytes(
         state_read=s,
         state_write=s / period,
         buffer_read=mean_entries * entry + CURSOR_BYTES,
-        buffer_write=(period - 1) / period * entry + CURSOR_BYTES,
+        buffer_write=(1 if spec.carries else (period - 1) / period) * entry + CURSOR_BYTES,  # a carrying flush appends too
         inputs=input_bytes(spec, shape, act, with_gate),
         outputs=output_bytes(shape, act),
     )
@@ -114,7 +130,7 @@ def slot_memory(spec: Spec, shape: TargetShape, act: DType) -> SlotMemory:
     s = state_bytes(spec, shape)
     cursors = shape.heads * -(-shape.value_dim // CURSOR_GRAIN) * CURSOR_BYTES
     ring = shape.capacity + shape.window  # L + T positions (see the kernels' RING)
-    return SlotMemory(baseline=s, replay_checkpoint=s, replay_buffers=ring * entry_bytes(spec, shape, act), replay_cursor=cursors)
+    return SlotMemory(baseline=s + carried_bytes(spec, shape), replay_checkpoint=s, replay_buffers=ring * entry_bytes(spec, shape, act), replay_cursor=cursors)
 
 
 def verify_flushes(shape: TargetShape, tokens: int, committed: int, flush_at: int = 0) -> bool:
@@ -157,7 +173,7 @@ def replay_verify_bytes(spec: Spec, shape: TargetShape, act: DType, tokens: int,
 
 def baseline_verify_bytes(spec: Spec, shape: TargetShape, act: DType, tokens: int) -> StepBytes:
     """Per-draft-snapshot verify: read the committed snapshot, write one snapshot per token."""
-    s = state_bytes(spec, shape)
+    s = state_bytes(spec, shape) + carried_bytes(spec, shape)
     return StepBytes(s, tokens * s, 0.0, 0.0, tokens * input_bytes(spec, shape, act), tokens * output_bytes(shape, act))
 
 
@@ -177,4 +193,4 @@ def best_verify_capacity(spec: Spec, shape: TargetShape, act: DType, tokens: int
 
 def spec_slot_memory(spec: Spec, shape: TargetShape, act: DType, tokens: int) -> tuple[int, int]:
     """Bytes per slot for speculative decoding: (one snapshot per window token, replay checkpoint + buffers + cursors)."""
-    return tokens * state_bytes(spec, shape), slot_memory(spec, shape, act).replay
+    return tokens * (state_bytes(spec, shape) + carried_bytes(spec, shape)), slot_memory(spec, shape, act).replay

@@ -219,7 +219,7 @@ def test_a_gpu_without_records_names_those_with_them(capsys, tmp_path):
     assert main(["list", "--specs-dir", str(tmp_path)]) == 2
     assert f"no spec files (*.yaml) in {tmp_path}: pass --specs-dir" in capsys.readouterr().err
     assert main(["show", "nosuchspec"]) == 2
-    assert "no spec file 'nosuchspec' (not a file here, nor a shipped spec: gdn, kda, mamba2)" in capsys.readouterr().err
+    assert "no spec file 'nosuchspec' (not a file here, nor a shipped spec: gdn, kda, mamba2, mamba3)" in capsys.readouterr().err
 
 
 def test_check_runs_each_distinct_reduced_shape_once():

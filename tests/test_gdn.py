@@ -7,7 +7,7 @@ import pytest
 import torch
 import triton
 
-from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route, bucket_config, module_defaults
+from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route, SpecTraits, bucket_config, module_defaults
 from replaygen.harness import check_decode, check_speculative
 from replaygen.runtime import load_kernels
 from replaygen.spec import load_spec, load_spec_text
@@ -221,7 +221,7 @@ def test_default_verify_above_batch_8_splits_for_the_delta_rule_and_caps_registe
         assert large.prefetch_ring is not delta
         assert large.max_registers == (128 if not delta and shape.key_dim <= 128 else 0)
         for batch in (8, 9):
-            space = derive_space(KernelKind.REPLAY_VERIFY, shape, batch, channel_decay=False, delta_rule=delta)
+            space = derive_space(KernelKind.REPLAY_VERIFY, shape, batch, SpecTraits(delta_rule=delta))
             assert space.default == bucket_config(table, batch) and space.contains(space.default)
     spec, shape = gdn(), replace(SMALL, capacity=6, window=3)
     verify = bucket_config(module_defaults(spec, shape)[KernelKind.REPLAY_VERIFY], 9)

@@ -7,12 +7,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route, key_tiled_state_route, replay_decode_structures
+from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route, key_tiled_state_route, replay_decode_structures, spec_traits
 from replaygen.errors import UnsupportedShapeError
 from replaygen.harness import check_decode
 from replaygen.runtime import load_kernels
 from replaygen.spec import load_spec
 from replaygen.spec.model import DType, Rounding, TargetShape
+from replaygen.tune.space import derive_space
 
 from conftest import DEVICE, ROOT
 
@@ -89,12 +90,20 @@ def test_key_tiles_refused_where_they_cannot_run(spec):
         load_kernels(spec, SHAPE, {KernelKind.REPLAY_VERIFY: (BucketConfig(None, KernelConfig(block_v=16, block_k=16)),)})
 
 
-def test_key_tiles_need_a_per_head_decay():
-    kda = load_spec(ROOT / "specs" / "kda.yaml")
-    with pytest.raises(UnsupportedShapeError, match="block_k needs a per-head decay"):
-        tiled(kda, replace(SHAPE, layout=kda.state.layout), OUTPUT_ONLY)
-    assert key_tiled_state_route(SHAPE, channel_decay=True) is None
-    assert replay_decode_structures(SHAPE, 32, channel_decay=True) == tuple(c for c in replay_decode_structures(SHAPE, 32, channel_decay=True) if not c.block_k)
+@pytest.mark.parametrize("other", ["kda", "mamba3"])
+def test_key_tiles_need_what_a_slice_can_hold(other):
+    """A per-channel decay (KDA) weighs every key channel of the entries' scores; keys per head, a carried entry and
+    angle, rms-normed keys with a weight and bias (Mamba-3) are not a raw slice times one factor: refused by the
+    plan, left out of the search space and of the structures a search starts from."""
+    spec = load_spec(ROOT / "specs" / f"{other}.yaml")
+    shape = replace(spec.shapes[0], heads=4, key_heads=2, value_dim=16, key_dim=32, capacity=4, window=1)
+    traits = spec_traits(spec, shape)
+    assert not traits.key_tiles
+    with pytest.raises(UnsupportedShapeError, match="block_k slices the state and the key along the key axis"):
+        tiled(spec, shape, OUTPUT_ONLY)
+    assert key_tiled_state_route(shape, traits) is None
+    assert all(not c.block_k for c in replay_decode_structures(shape, 32, traits))
+    assert derive_space(KernelKind.REPLAY_DECODE, shape, 32, traits).parameter("block_k").choices == (0,)
 
 
 def test_the_default_above_batch_8_is_the_key_tiled_state_route_for_the_delta_rule(spec):
@@ -103,7 +112,7 @@ def test_the_default_above_batch_8_is_the_key_tiled_state_route_for_the_delta_ru
     from replaygen.configs import default_configs
 
     delta = spec.update.kind.value == "delta"
-    large = default_configs(KernelKind.REPLAY_DECODE, spec.shape(spec.shapes[0].name), delta_rule=delta)[-1].config
+    large = default_configs(KernelKind.REPLAY_DECODE, spec.shapes[0], spec_traits(spec, spec.shapes[0]))[-1].config
     if delta:
         assert (large.block_k, large.route, large.fold_dot, large.fold_precision) == (64, Route.STATE_AND_OUTPUT, True, "key_buffer")
     else:

@@ -163,8 +163,73 @@ def test_unknown_enum_value():
     rejects(edit("kind: additive", "kind: multiplicative"), "update.kind", "unknown value 'multiplicative'")
 
 
-def test_language_primitive_without_template():
-    rejects(edit("kind: additive", "kind: trapezoid"), "update.kind", "no template of this replaygen version implements it yet")
+MAMBA3 = (ROOT / "specs" / "mamba3.yaml").read_text()
+
+
+def m3(old: str, new: str) -> str:
+    return edit(old, new, MAMBA3)
+
+
+@pytest.mark.parametrize(
+    "old, new, path, message",
+    [
+        ("  mix_input: trap   # [batch, H]\n", "", "update", "the trapezoid update needs 'mix_input'"),
+        ("kind: trapezoid", "kind: additive", "update.mix_input", "'mix_input' belongs to the trapezoid update"),
+        ("  rate_activation: heavy_tail\n", "", "decay", "form 'neg_rate_softplus' needs 'rate_input' and 'rate_activation'"),
+        ("  rate_floor: 1.0e-4\n", "  rate_floor: 1.0e-4\n  rate: A_log\n", "decay.rate", "takes its rate per token from 'rate_input'"),
+        ("rate_activation: heavy_tail", "rate_activation: cubic", "decay.rate_activation", "unknown value 'cubic' (allowed: heavy_tail, exp)"),
+        ("rate_floor: 1.0e-4", "rate_floor: -1", "decay.rate_floor", "must be between 0.0 and"),
+        ("    carry_weight: float32  # (1 - l) dt': what the step adds to the previous entry\n", "", "replay.cache", "the trapezoid update with a rotary transform needs cached fields carry_weight"),
+        ("    angle: float32\n", "", "replay.cache", "needs cached fields angle"),
+        ("    angle: float32\n", "    angle: bfloat16\n", "replay.cache.angle", "must be cached as float32"),
+        ("    carry_weight: float32  #", "    carry_weight: activation  #", "replay.cache.carry_weight", "must be cached as float32"),
+        ("  angle_input: angles   # [batch, int(N * fraction) / 2]\n", "", "rotary", "missing required key 'angle_input'"),
+        ("fraction: 0.5", "fraction: 1.5", "rotary.fraction", "must be between"),
+        ("pairing: adjacent", "pairing: spiral", "rotary.pairing", "unknown value 'spiral'"),
+        ("  value_scale: mimo_x   # [H, R, P]\n", "", "ranks", "missing required key 'value_scale'"),
+        ("gate: {input: z, activation: silu, optional: true}", "gate: null", "ranks.gate_scale", "readout has no gate"),
+        ("key: {transform: rmsnorm, eps: 1.0e-5, weight: B_norm,", "key: {transform: none, weight: B_norm,", "key.weight", "only applies to a normalising transform"),
+        ("bias: C_bias}", "bias: B_bias}", "query.bias", "name 'B_bias' is already used at key.bias"),
+        ("angle_input: angles", "angle_input: x", "rotary.angle_input", "name 'x' is already used at inputs.value"),
+        ("mamba3:          {heads: 64, key_heads: 1, value_dim: 64, key_dim: 128}", "mamba3: {heads: 64, key_heads: 1, value_dim: 64, key_dim: 128, rank: 0}", "shapes.mamba3.rank", "must be between 1 and 16"),
+        ("mamba3:          {heads: 64, key_heads: 1, value_dim: 64, key_dim: 128}", "mamba3: {heads: 64, key_heads: 1, value_dim: 64, key_dim: 3}", "shapes.mamba3.key_dim", "leaves no pair of channels to rotate"),
+        ("mamba3:          {heads: 64, key_heads: 1, value_dim: 64, key_dim: 128}", "mamba3: {heads: 64, key_heads: 1, value_dim: 64, key_dim: 65, rotary_pairing: halves}", "shapes.mamba3.rotary_pairing", "must be even"),
+        ("rotary_pairing: halves}\n  mamba3-mimo-n64", "rotary_pairing: twisted}\n  mamba3-mimo-n64", "shapes.mamba3-mimo.rotary_pairing", "unknown value 'twisted'"),
+    ],
+)
+def test_mamba3_language_rules(old, new, path, message):
+    rejects(m3(old, new), path, message)
+
+
+def test_rank_needs_the_ranks_weights():
+    text = m3("ranks:\n  value_scale: mimo_x   # [H, R, P]\n  gate_scale: mimo_z    # [H, R, P]\n  output_scale: mimo_o  # [H, R, P]\n", "")
+    rejects(text, "shapes.mamba3-mimo.rank", "a shape of rank > 1 needs the spec's 'ranks'")
+
+
+def test_rotary_needs_a_softplus_decay_per_head():
+    with_rotary = edit("spec_version: 1", "spec_version: 1\nrotary: {angle_input: theta, fraction: 1.0}", GDN)
+    rejects(with_rotary, "rotary", "a rotary angle advances by pi * tanh(angle_input) * dt' each step")
+    direct = with_rotary.replace("  form: neg_exp_softplus\n", "  form: direct\n").replace("  rate: A_log       # [HV]\n  bias: dt_bias     # [HV]\n  direct_input: g   # [batch, HV] log decay, instead of a\n", "")
+    rejects(direct, "rotary", "decay.form must be 'neg_exp_softplus' or 'neg_rate_softplus' at granularity 'head'")
+
+
+def test_rotary_pairing_needs_rotary():
+    text = edit("nemotron-h:     {heads: 128, key_heads: 8, value_dim: 64, key_dim: 128}", "nemotron-h: {heads: 128, key_heads: 8, value_dim: 64, key_dim: 128, rotary_pairing: halves}")
+    rejects(text, "shapes.nemotron-h.rotary_pairing", "'rotary_pairing' needs the spec's 'rotary'")
+
+
+def test_ranks_refuse_the_delta_rule():
+    rejects(edit("spec_version: 1", "spec_version: 1\nranks: {value_scale: sv, output_scale: so}", GDN), "ranks", "not by the delta rule")
+
+
+def test_rank_refuses_a_conv():
+    text = m3("state: {dtype", "conv: {width: 4, channels: [value]}\nstate: {dtype")
+    rejects(text, "shapes.mamba3-mimo.rank", "a spec with a conv has shapes of rank 1 only")
+
+
+def test_trapezoid_decays_per_head():
+    text = edit("kind: delta", "kind: trapezoid\n  mix_input: lam", (ROOT / "specs" / "kda.yaml").read_text())
+    rejects(text, "update.kind", "the trapezoid update decays per head")
 
 
 def test_cache_missing_field():

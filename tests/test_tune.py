@@ -18,7 +18,7 @@ import torch
 from replaygen import measure
 from replaygen.build import build_spec
 from replaygen.cli import main
-from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route, bucket_range, bucket_variants, module_defaults, replay_decode_structures
+from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route, SpecTraits, bucket_range, bucket_variants, module_defaults, replay_decode_structures
 from replaygen.errors import TuningRecordError, UnsupportedShapeError
 from replaygen.measure import Timing
 from replaygen.offline import architecture
@@ -81,7 +81,7 @@ def test_space_of_the_main_shape(mamba2):
     )
     assert next(space.iter_candidates()) == space.default
     assert derive_space(RD, shape, batch=1).default == KernelConfig(block_v=32, num_warps=4, flush_at=16)
-    assert {p.name for p in derive_space(RD, shape, 128, channel_decay=True).free} == set(choices) - {"num_stages", "block_k", "precompute_scores", "readout_dot", "overlap_scores",
+    assert {p.name for p in derive_space(RD, shape, 128, SpecTraits(channel_decay=True)).free} == set(choices) - {"num_stages", "block_k", "precompute_scores", "readout_dot", "overlap_scores",
                                                                                                     "align_flushes", "flush_groups", "window_block_v", "window_warps",
                                                                                                     "early_commit"}
     baseline = derive_space(BD, shape, batch=8)
@@ -92,7 +92,7 @@ def test_space_of_the_main_shape(mamba2):
     assert {p.name for p in derive_space(RV, shape, 8).free} == verify
     assert dict((p.name, p.choices) for p in derive_space(RV, shape, 8).parameters)["window_block_v"] == (0, 16, 32, 64)
     assert dict((p.name, p.choices) for p in derive_space(RV, shape, 8).parameters)["flush_at"] == (0, 1)  # the flush rule alone, or every step
-    assert {p.name for p in derive_space(RV, shape, 8, channel_decay=True).free} == verify - {"precompute_scores", "readout_dot", "overlap_scores", "window_block_v",
+    assert {p.name for p in derive_space(RV, shape, 8, SpecTraits(channel_decay=True)).free} == verify - {"precompute_scores", "readout_dot", "overlap_scores", "window_block_v",
                                                                                               "window_warps"}
 
 

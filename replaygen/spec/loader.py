@@ -24,6 +24,7 @@ from replaygen.spec.model import (
     ConvChannels,
     Decay,
     DecayForm,
+    DecayRate,
     DecayGranularity,
     Dims,
     DType,
@@ -31,7 +32,11 @@ from replaygen.spec.model import (
     GateActivation,
     Inputs,
     QueryScale,
+    Ranks,
+    RateActivation,
     Readout,
+    Rotary,
+    RotaryPairing,
     Rounding,
     Sharing,
     Spec,
@@ -52,17 +57,13 @@ MAX_KEY_DIM = 256
 MAX_VALUE_DIM = 512
 MAX_WINDOW = 16
 MAX_CONV_WIDTH = 8
+MAX_RANK = 16
 SPEC_NAME = re.compile(r"[a-z][a-z0-9_]*")  # matched whole (fullmatch), as SHAPE_NAME
 SHAPE_NAME = re.compile(r"[a-z0-9][a-z0-9.-]*")
 # The parameters the generated API functions take beside the spec's inputs and weights (decode, baseline_decode,
 # verify and baseline_verify take both as keywords), so no input or weight may be named like one. Every other
 # identifier of the generated code spells a spec name with a prefix of its own (replaygen.plan.SPEC_NAME_PREFIX).
 API_PARAMETERS = frozenset({"state", "slots", "out", "route", "flush_at", "snapshots", "current"})
-# Primitives the language names but no template of this version implements.
-NOT_IMPLEMENTED = {
-    UpdateKind.TRAPEZOID: "the trapezoid (Mamba-3) update",
-    VectorTransform.RMSNORM_ROTARY: "the rmsnorm+rotary (Mamba-3) key/query transform",
-}
 
 E = TypeVar("E", bound=enum.Enum)
 
@@ -149,12 +150,8 @@ def _enum(node: Node, cls: type[E]) -> E:
     value = _string(node)
     for member in cls:
         if member.value == value:
-            if member in NOT_IMPLEMENTED:
-                raise node.error(
-                    f"'{value}' ({NOT_IMPLEMENTED[member]}) is part of the spec language but no template of this replaygen version implements it yet"
-                )
             return member
-    raise node.error(f"unknown value '{value}' (allowed: {', '.join(m.value for m in cls if m not in NOT_IMPLEMENTED)})")
+    raise node.error(f"unknown value '{value}' (allowed: {', '.join(m.value for m in cls)})")
 
 
 def _identifier(node: Node) -> str:
@@ -189,7 +186,7 @@ class _SpecBuilder:
         top = _Map(
             self.root,
             required={"spec_version", "name", "inputs", "decay", "update", "readout", "state", "activations", "replay", "shapes"},
-            optional={"description", "dims", "key", "query", "conv"},
+            optional={"description", "dims", "key", "query", "conv", "rotary", "ranks"},
         )
         version = _int(top["spec_version"], 1, 10**6)
         if version != SPEC_VERSION:
@@ -206,11 +203,13 @@ class _SpecBuilder:
         key = self._vector(top.get("key"), allow_scale=False)
         query = self._vector(top.get("query"), allow_scale=True)
         readout = self._readout(top["readout"])
+        rotary = self._rotary(top.get("rotary"), decay)
+        ranks = self._ranks(top.get("ranks"), update, decay, readout)
         state = self._state(top["state"])
         activations = self._activations(top["activations"])
-        cache, capacity, window = self._replay(top["replay"], update, decay)
-        shapes = self._shapes(top["shapes"], inputs, capacity, window, state, cache)
+        cache, capacity, window = self._replay(top["replay"], update, decay, rotary)
         conv = self._conv(top.get("conv"))
+        shapes = self._shapes(top["shapes"], inputs, capacity, window, state, cache, rotary, ranks, conv)
         return Spec(
             name=name,
             description=description,
@@ -228,6 +227,8 @@ class _SpecBuilder:
             source_file=self.root.file,
             source_sha256=self.sha256,
             conv=conv,
+            rotary=rotary,
+            ranks=ranks,
         )
 
     def _conv(self, node: Node | None) -> Conv | None:
@@ -267,7 +268,8 @@ class _SpecBuilder:
         return Inputs(value=m["value"].value, key=m["key"].value, query=m["query"].value, key_sharing=sharing)
 
     def _decay(self, node: Node) -> Decay:
-        m = _Map(node, required={"granularity", "form", "input"}, optional={"rate", "bias", "direct_input", "bound"})
+        rate_keys = {"rate_input", "rate_activation", "rate_floor"}
+        m = _Map(node, required={"granularity", "form", "input"}, optional={"rate", "bias", "direct_input", "bound"} | rate_keys)
         granularity = _enum(m["granularity"], DecayGranularity)
         form = _enum(m["form"], DecayForm)
         input_name = _identifier(m["input"])
@@ -276,6 +278,7 @@ class _SpecBuilder:
         bias = _optional_identifier(m.get("bias"))
         if form is DecayForm.NEG_EXP_SOFTPLUS and rate is None:
             raise node.error("form 'neg_exp_softplus' needs 'rate' (the weight A_log in log a = -exp(A_log) * softplus(input + bias))")
+        token_rate = self._token_rate(node, m, form, granularity, rate)
         if form is DecayForm.LOWER_BOUND_SIGMOID and (rate is None or m.get("bound") is None):
             raise node.error("form 'lower_bound_sigmoid' needs 'rate' and 'bound' (log a = bound * sigmoid(exp(rate) * (input + bias)), bound < 0)")
         if form is not DecayForm.LOWER_BOUND_SIGMOID and m.get("bound") is not None:
@@ -289,16 +292,37 @@ class _SpecBuilder:
         if direct is not None and form is DecayForm.DIRECT:
             raise node.error("'direct_input' only makes sense when the form computes the decay from a pre-activation", "direct_input")
         self._claim(m.get("direct_input"))
-        return Decay(granularity, form, input_name, rate, bias, direct, bound)
+        return Decay(granularity, form, input_name, rate, bias, direct, bound, token_rate)
+
+    def _token_rate(self, node: Node, m: _Map, form: DecayForm, granularity: DecayGranularity, rate: str | None) -> DecayRate | None:
+        """The per-token rate of form neg_rate_softplus (rate_input, rate_activation, rate_floor); refused elsewhere."""
+        if form is not DecayForm.NEG_RATE_SOFTPLUS:
+            for key in ("rate_input", "rate_activation", "rate_floor"):
+                if m.get(key) is not None:
+                    raise node.error(f"'{key}' belongs to form 'neg_rate_softplus' (a decay rate given per token)", key)
+            return None
+        if m.get("rate_input") is None or m.get("rate_activation") is None:
+            raise node.error(
+                "form 'neg_rate_softplus' needs 'rate_input' and 'rate_activation'"
+                " (log a = -max(activation(rate_input), rate_floor) * softplus(input + bias))"
+            )
+        if rate is not None:
+            raise node.error("form 'neg_rate_softplus' takes its rate per token from 'rate_input': remove the weight 'rate'", "rate")
+        if granularity is not DecayGranularity.HEAD:
+            raise m["granularity"].error("form 'neg_rate_softplus' decays per head (one rate per head and token)")
+        rate_input = _identifier(m["rate_input"])
+        self._claim(m["rate_input"])
+        floor = _float(m["rate_floor"], 0.0, 1e4) if m.get("rate_floor") is not None else 0.0
+        return DecayRate(rate_input, _enum(m["rate_activation"], RateActivation), floor)
 
     def _update(self, node: Node, decay: Decay) -> Update:
-        m = _Map(node, required={"kind", "weight"}, optional={"weight_input", "weight_direct_input"})
+        m = _Map(node, required={"kind", "weight"}, optional={"weight_input", "weight_direct_input", "mix_input"})
         kind = _enum(m["kind"], UpdateKind)
         weight = _enum(m["weight"], UpdateWeight)
         weight_input = _optional_identifier(m.get("weight_input"))
         weight_direct = _optional_identifier(m.get("weight_direct_input"))
-        if weight is UpdateWeight.DECAY_DT and decay.form is not DecayForm.NEG_EXP_SOFTPLUS:
-            raise m["weight"].error("weight 'decay_dt' reuses softplus(input + bias) of the decay, so decay.form must be 'neg_exp_softplus'")
+        if weight is UpdateWeight.DECAY_DT and not decay.has_softplus:
+            raise m["weight"].error("weight 'decay_dt' reuses softplus(input + bias) of the decay, so decay.form must be 'neg_exp_softplus' or 'neg_rate_softplus'")
         if weight is UpdateWeight.DECAY_DT and decay.granularity is DecayGranularity.CHANNEL:
             raise m["weight"].error("weight 'decay_dt' is one scalar per head, so decay.granularity must be 'head'")
         if weight is UpdateWeight.DECAY_DT and decay.direct_input is not None:
@@ -310,18 +334,71 @@ class _SpecBuilder:
             raise node.error(f"'{key}' is only used with weight 'sigmoid'", key)
         self._claim(m.get("weight_input"))
         self._claim(m.get("weight_direct_input"))
-        return Update(kind, weight, weight_input, weight_direct)
+        mix_input = self._mix_input(node, m, kind, decay)
+        return Update(kind, weight, weight_input, weight_direct, mix_input)
+
+    def _mix_input(self, node: Node, m: _Map, kind: UpdateKind, decay: Decay) -> str | None:
+        """The trapezoid's mix input: required by that update, refused by the others."""
+        if kind is not UpdateKind.TRAPEZOID:
+            if m.get("mix_input") is not None:
+                raise node.error("'mix_input' belongs to the trapezoid update (its share of the weight on this step's entry)", "mix_input")
+            return None
+        if m.get("mix_input") is None:
+            raise node.error("the trapezoid update needs 'mix_input' ([batch, heads]; l = sigmoid(mix_input) of the weight goes to this step's entry, the rest to the previous one)")
+        if decay.granularity is not DecayGranularity.HEAD:
+            raise m["kind"].error("the trapezoid update decays per head (decay.granularity 'head')")
+        mix_input = _identifier(m["mix_input"])
+        self._claim(m["mix_input"])
+        return mix_input
 
     def _vector(self, node: Node | None, allow_scale: bool) -> VectorSpec:
         if node is None:
             return VectorSpec(VectorTransform.NONE, 0.0, QueryScale.NONE)
-        m = _Map(node, required={"transform"}, optional={"eps", "scale"} if allow_scale else {"eps"})
+        optional = {"eps", "weight", "bias"} | ({"scale"} if allow_scale else set())
+        m = _Map(node, required={"transform"}, optional=optional)
         transform = _enum(m["transform"], VectorTransform)
         eps = _float(m["eps"], 0.0, 1.0) if m.get("eps") is not None else 1e-6
-        if transform is VectorTransform.NONE and m.get("eps") is not None:
-            raise node.error("'eps' only applies to transform 'l2norm'", "eps")
+        if transform is VectorTransform.NONE:
+            for key in ("eps", "weight"):
+                if m.get(key) is not None:
+                    raise node.error(f"'{key}' only applies to a normalising transform ('l2norm' or 'rmsnorm')", key)
         scale = _enum(m["scale"], QueryScale) if m.get("scale") is not None else QueryScale.NONE
-        return VectorSpec(transform, eps if transform is VectorTransform.L2NORM else 0.0, scale)
+        weight = _optional_identifier(m.get("weight"))
+        bias = _optional_identifier(m.get("bias"))
+        self._claim(m.get("weight"))
+        self._claim(m.get("bias"))
+        return VectorSpec(transform, eps if transform is not VectorTransform.NONE else 0.0, scale, weight, bias)
+
+    def _rotary(self, node: Node | None, decay: Decay) -> Rotary | None:
+        if node is None:
+            return None
+        m = _Map(node, required={"angle_input", "fraction"}, optional={"pairing"})
+        if not decay.has_softplus or decay.direct_input is not None or decay.granularity is not DecayGranularity.HEAD:
+            raise node.error(
+                "a rotary angle advances by pi * tanh(angle_input) * dt' each step, dt' the decay's softplus per head: decay.form must be"
+                " 'neg_exp_softplus' or 'neg_rate_softplus' at granularity 'head', without 'direct_input'"
+            )
+        angle_input = _identifier(m["angle_input"])
+        self._claim(m["angle_input"])
+        fraction = _float(m["fraction"], 1e-6, 1.0)
+        pairing = _enum(m["pairing"], RotaryPairing) if m.get("pairing") is not None else RotaryPairing.ADJACENT
+        return Rotary(angle_input, fraction, pairing)
+
+    def _ranks(self, node: Node | None, update: Update, decay: Decay, readout: Readout) -> Ranks | None:
+        if node is None:
+            return None
+        m = _Map(node, required={"value_scale", "output_scale"}, optional={"gate_scale"})
+        if update.kind is UpdateKind.DELTA:
+            raise node.error("rank-R steps update additively ('additive' or 'trapezoid'), not by the delta rule")
+        if decay.granularity is not DecayGranularity.HEAD:
+            raise node.error("rank-R steps decay per head (decay.granularity 'head')")
+        if m.get("gate_scale") is not None and readout.gate is None:
+            raise node.error("'gate_scale' scales the gate per rank, but readout has no gate", "gate_scale")
+        names = {}
+        for key in ("value_scale", "gate_scale", "output_scale"):
+            names[key] = _optional_identifier(m.get(key))
+            self._claim(m.get(key))
+        return Ranks(names["value_scale"], names["gate_scale"], names["output_scale"])
 
     def _readout(self, node: Node) -> Readout:
         m = _Map(node, required=set(), optional={"skip", "gate"})
@@ -364,18 +441,23 @@ class _SpecBuilder:
             dtypes.append(dtype)
         return tuple(dtypes)
 
-    def _replay(self, node: Node, update: Update, decay: Decay) -> tuple[tuple[CachedField, ...], int, int]:
+    def _replay(self, node: Node, update: Update, decay: Decay, rotary: Rotary | None) -> tuple[tuple[CachedField, ...], int, int]:
         m = _Map(node, required={"cache", "capacity", "window"})
         cache_node = m["cache"]
         needed = {CacheField.KEY, CacheField.LOG_DECAY}
         if update.kind is UpdateKind.ADDITIVE:
             needed |= {CacheField.VALUE, CacheField.WEIGHT}
+        elif update.kind is UpdateKind.TRAPEZOID:
+            needed |= {CacheField.VALUE, CacheField.WEIGHT, CacheField.CARRY_WEIGHT}
         else:
             needed |= {CacheField.CORRECTED_VALUE}
-        fields = self._cached_fields(cache_node, needed, f"is not replayed by the {update.kind.value} update; it needs exactly {_names(needed)}")
+        what = f"the {update.kind.value} update" + (" with a rotary transform" if rotary else "")
+        if rotary is not None:
+            needed |= {CacheField.ANGLE}
+        fields = self._cached_fields(cache_node, needed, f"is not replayed by {what}; it needs exactly {_names(needed)}")
         missing = needed - {f.field for f in fields}
         if missing:
-            raise cache_node.error(f"the {update.kind.value} update needs cached fields {_names(missing)}")
+            raise cache_node.error(f"{what} needs cached fields {_names(missing)}")
         capacity = _int(m["capacity"], 2, MAX_CAPACITY)
         window = _int(m["window"], 1, MAX_WINDOW)
         self._check_flush_rule(m["capacity"], capacity, window)
@@ -396,7 +478,7 @@ class _SpecBuilder:
             if field not in allowed:
                 raise node.error(f"field '{key}' {refusal}", key)
             dtype = None if value_node.value == ACTIVATION else _enum(value_node, DType)
-            if field in (CacheField.LOG_DECAY, CacheField.WEIGHT) and dtype is not DType.FLOAT32:
+            if field in (CacheField.LOG_DECAY, CacheField.WEIGHT, CacheField.CARRY_WEIGHT, CacheField.ANGLE) and dtype is not DType.FLOAT32:
                 raise value_node.error(f"'{key}' enters an exponent or a product of many terms and must be cached as float32")
             fields.append(CachedField(field, dtype))
         return fields
@@ -420,7 +502,10 @@ class _SpecBuilder:
                 " or every verify step would flush"
             )
 
-    def _shapes(self, node: Node, inputs: Inputs, capacity: int, window: int, state: StateSpec, cache: tuple[CachedField, ...]) -> tuple[TargetShape, ...]:
+    def _shapes(
+        self, node: Node, inputs: Inputs, capacity: int, window: int, state: StateSpec, cache: tuple[CachedField, ...],
+        rotary: Rotary | None, ranks: Ranks | None, conv: Conv | None,
+    ) -> tuple[TargetShape, ...]:
         if not isinstance(node.value, dict) or not node.value:
             raise node.error("expected a non-empty mapping of shape name -> sizes")
         shapes = []
@@ -430,7 +515,7 @@ class _SpecBuilder:
             m = _Map(
                 shape_node,
                 required={"heads", "value_dim", "key_dim"},
-                optional={"key_heads", "capacity", "window", "layout", "state_dtype", "rounding", "cache"},
+                optional={"key_heads", "capacity", "window", "layout", "state_dtype", "rounding", "cache", "rank", "rotary_pairing"},
             )
             heads = _int(m["heads"], 1, 4096)
             key_heads = _int(m["key_heads"], 1, 4096) if m.get("key_heads") is not None else heads
@@ -454,12 +539,44 @@ class _SpecBuilder:
             if m.get("cache") is not None:
                 cached = {entry.field for entry in cache}
                 own_cache = tuple(self._cached_fields(m["cache"], cached, f"is not in replay.cache ({_names(cached)}); a shape sets only the dtypes of the spec's fields"))
+            rank = self._shape_rank(m, ranks, conv)
+            pairing = self._shape_pairing(m, rotary, key_dim)
             shape = TargetShape(
-                shape_name, heads, key_heads, value_dim, key_dim, shape_capacity, shape_window, shape_layout, state_dtype, rounding, own_cache
+                shape_name, heads, key_heads, value_dim, key_dim, shape_capacity, shape_window, shape_layout, state_dtype, rounding, own_cache,
+                rank, pairing,
             )
             self._check_shape_ident(node, shapes, shape)
             shapes.append(shape)
         return tuple(shapes)
+
+
+    @staticmethod
+    def _shape_rank(m: _Map, ranks: Ranks | None, conv: Conv | None) -> int:
+        """The shape's rank R (1 unless it says): above 1 it needs the spec's `ranks` weights, and no conv (which packs
+        one key and query per key head)."""
+        if m.get("rank") is None:
+            return 1
+        rank = _int(m["rank"], 1, MAX_RANK)
+        if rank > 1 and ranks is None:
+            raise m["rank"].error("a shape of rank > 1 needs the spec's 'ranks' (value_scale, output_scale and, with a gate, gate_scale)")
+        if rank > 1 and conv is not None:
+            raise m["rank"].error("the conv packs one key and one query per key head: a spec with a conv has shapes of rank 1 only")
+        return rank
+
+    @staticmethod
+    def _shape_pairing(m: _Map, rotary: Rotary | None, key_dim: int) -> RotaryPairing | None:
+        """The shape's rotary pairing (the spec's unless it says; None without rotary), checked against key_dim."""
+        if rotary is None:
+            if m.get("rotary_pairing") is not None:
+                raise m.node.error("'rotary_pairing' needs the spec's 'rotary'", "rotary_pairing")
+            return None
+        pairing = _enum(m["rotary_pairing"], RotaryPairing) if m.get("rotary_pairing") is not None else rotary.pairing
+        where = m["rotary_pairing"] if m.get("rotary_pairing") is not None else m["key_dim"]
+        if rotary.angles(key_dim) < 1:
+            raise where.error(f"rotary.fraction={rotary.fraction} of key_dim={key_dim} leaves no pair of channels to rotate")
+        if pairing is RotaryPairing.HALVES and key_dim % 2:
+            raise where.error(f"pairing 'halves' turns channel i with i + key_dim / 2: key_dim={key_dim} must be even")
+        return pairing
 
 
 def _names(fields: set[CacheField]) -> str:

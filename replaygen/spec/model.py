@@ -4,7 +4,10 @@ Conventions (see ../MATH.md of the design docs): the state of one head is a
 matrix with `value_dim` rows and `key_dim` columns (`S` with `y = S q`); the
 decay multiplies the whole state (granularity `head`) or its key columns
 (granularity `channel`); an update adds `w * u k^T` where `u` is the value
-(additive rule) or the corrected value (delta rule).
+(additive rule) or the corrected value (delta rule), or, at rank R, the sum over
+ranks r of `w * (u * s_r) k_r^T` with R keys per token and a value scale per rank.
+The trapezoid update also carries the previous step's entry; a rotary transform
+carries an angle per head.
 """
 
 from __future__ import annotations
@@ -37,14 +40,22 @@ class DecayGranularity(enum.Enum):
 
 class DecayForm(enum.Enum):
     NEG_EXP_SOFTPLUS = "neg_exp_softplus"  # log a = -exp(rate) * softplus(input + bias)
+    NEG_RATE_SOFTPLUS = "neg_rate_softplus"  # log a = -max(f(rate_input), rate_floor) * softplus(input + bias), f per RateActivation
     LOWER_BOUND_SIGMOID = "lower_bound_sigmoid"  # log a = bound * sigmoid(exp(rate) * (input + bias)), in (bound, 0)
     DIRECT = "direct"  # log a = input
+
+
+class RateActivation(enum.Enum):
+    """How a data-dependent decay rate comes from its per-token input x (DecayForm.NEG_RATE_SOFTPLUS)."""
+
+    HEAVY_TAIL = "heavy_tail"  # 1 + x for x >= 0, 1 / (1 - x) below (Mamba-3's A)
+    EXP = "exp"  # exp(x): A_log given per token
 
 
 class UpdateKind(enum.Enum):
     ADDITIVE = "additive"  # S = a S + w u k^T (Mamba-2)
     DELTA = "delta"  # S = a S; u = w (v - S k); S += u k^T (Gated DeltaNet, KDA)
-    TRAPEZOID = "trapezoid"  # Mamba-3: rank-R trapezoid update (language only, no template yet)
+    TRAPEZOID = "trapezoid"  # S = a (S + (1 - l) w' u' k'^T) + l w u k^T, l = sigmoid(mix), (u', k', w') the previous step's (Mamba-3)
 
 
 class UpdateWeight(enum.Enum):
@@ -56,7 +67,14 @@ class UpdateWeight(enum.Enum):
 class VectorTransform(enum.Enum):
     NONE = "none"
     L2NORM = "l2norm"  # x / sqrt(|x|^2 + eps)
-    RMSNORM_ROTARY = "rmsnorm_rotary"  # Mamba-3 (language only, no template yet)
+    RMSNORM = "rmsnorm"  # x / sqrt(mean(x^2) + eps)
+
+
+class RotaryPairing(enum.Enum):
+    """Which key channels a rotary angle turns together."""
+
+    ADJACENT = "adjacent"  # (2i, 2i + 1)
+    HALVES = "halves"  # (i, i + key_dim / 2)
 
 
 class QueryScale(enum.Enum):
@@ -100,7 +118,9 @@ class CacheField(enum.Enum):
     CORRECTED_VALUE = "corrected_value"  # u_j = w (v - S k) (delta rule)  [heads, value_dim]
     KEY = "key"  # the transformed key                                [key_heads, key_dim]
     LOG_DECAY = "log_decay"  # log a_j                                 [heads] or [heads, key_dim]
-    WEIGHT = "weight"  # w_j (additive rule)                          [heads]
+    WEIGHT = "weight"  # w_j (additive rule), l_j w_j (trapezoid)     [heads]
+    CARRY_WEIGHT = "carry_weight"  # (1 - l_j) w_j (trapezoid): what step j adds to entry j - 1   [heads]
+    ANGLE = "angle"  # the rotary angle after step j                  [heads, angles]
 
 
 ACTIVATION = "activation"  # a cached field stored in the activation dtype of the step inputs
@@ -125,6 +145,15 @@ class Inputs:
 
 
 @dataclass(frozen=True)
+class DecayRate:
+    """A decay rate given per token (form neg_rate_softplus): rate = max(activation(input), floor)."""
+
+    input: str  # [batch, heads]
+    activation: RateActivation
+    floor: float  # >= 0
+
+
+@dataclass(frozen=True)
 class Decay:
     granularity: DecayGranularity
     form: DecayForm
@@ -133,6 +162,12 @@ class Decay:
     bias: str | None  # weight [heads] or [heads, key_dim]
     direct_input: str | None  # optional: log decay passed directly, same shape as `input`
     bound: float | None = None  # form lower_bound_sigmoid: the log decay's lower bound (negative)
+    token_rate: DecayRate | None = None  # form neg_rate_softplus: the rate per token
+
+    @property
+    def has_softplus(self) -> bool:
+        """Whether the decay is -rate * softplus(input + bias), so a step has the softplus (dt') to weigh by."""
+        return self.form in (DecayForm.NEG_EXP_SOFTPLUS, DecayForm.NEG_RATE_SOFTPLUS)
 
 
 @dataclass(frozen=True)
@@ -141,13 +176,44 @@ class Update:
     weight: UpdateWeight
     weight_input: str | None  # [batch, heads] pre-activation (weight sigmoid)
     weight_direct_input: str | None  # optional: the weight passed directly
+    mix_input: str | None = None  # trapezoid: [batch, heads], l = sigmoid(mix_input) the share of w on this step's entry
 
 
 @dataclass(frozen=True)
 class VectorSpec:
+    """A key or query transform: the normalisation, times `weight` [key_dim], plus `bias` [heads, key_dim] (which
+    makes the transformed vector one per head), then the query scale."""
+
     transform: VectorTransform
     eps: float
     scale: QueryScale
+    weight: str | None = None  # weight [key_dim], after the normalisation
+    bias: str | None = None  # weight [heads, key_dim] ([heads, rank, key_dim] at rank > 1)
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """A rotary transform of the (transformed) key and query by an angle carried per head: each step adds
+    pi * tanh(angle_input) * dt' (dt' the decay's softplus) to the angle of each rotary pair, modulo 2 pi."""
+
+    angle_input: str  # [batch, angles], shared by the heads
+    fraction: float  # the rotated share of key_dim: int(key_dim * fraction) rounded down to even, two channels per angle
+    pairing: RotaryPairing  # the shapes' default
+
+    def angles(self, key_dim: int) -> int:
+        """Angles (rotary pairs) per head at `key_dim`."""
+        return int(key_dim * self.fraction) // 2
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """Weights of a rank-R step (shapes of rank > 1): value, gate and output scales [heads, rank, value_dim]. Rank r
+    updates with the value u * value_scale[:, r], reads y_r = S q_r + skip u * value_scale[:, r], gates it with
+    silu(z * gate_scale[:, r]), and the output is the sum over r of output_scale[:, r] * y_r."""
+
+    value_scale: str
+    gate_scale: str | None
+    output_scale: str
 
 
 @dataclass(frozen=True)
@@ -201,6 +267,8 @@ class TargetShape:
     state_dtype: DType = DType.FLOAT32  # the spec's state.dtype unless the shape says
     rounding: Rounding = Rounding.NEAREST  # of a 16-bit state (the spec's state.rounding unless the shape says)
     cache_dtypes: tuple[CachedField, ...] = ()  # the shape's own dtypes for some of the spec's cached fields
+    rank: int = 1  # R: keys and queries per token and key head
+    rotary_pairing: RotaryPairing | None = None  # the spec's rotary.pairing unless the shape says; None without rotary
 
     @property
     def heads_per_key_head(self) -> int:
@@ -230,6 +298,8 @@ class Spec:
     source_file: str
     source_sha256: str
     conv: Conv | None = None  # the conv before the recurrence, where the spec has one
+    rotary: Rotary | None = None  # the rotary transform of key and query, where the spec has one
+    ranks: Ranks | None = None  # the rank-R weights, where a shape has rank > 1
 
     def shape(self, name: str) -> TargetShape:
         for shape in self.shapes:
@@ -243,6 +313,18 @@ class Spec:
             if entry.field is field:
                 return entry
         return None
+
+    @property
+    def keys_per_head(self) -> bool:
+        """Whether a step's transformed key differs per head although the input is per key head: a per-head bias, or a
+        rotary angle (advanced by each head's dt')."""
+        return self.key.bias is not None or self.rotary is not None
+
+    @property
+    def carries(self) -> bool:
+        """Whether the recurrence carries more than its state from one step to the next: the rotary angle, the
+        trapezoid's previous entry."""
+        return self.rotary is not None or self.update.kind is UpdateKind.TRAPEZOID
 
     def cache_of(self, shape: TargetShape) -> tuple[CachedField, ...]:
         """The cached fields of `shape`'s replay buffer, in the spec's order: the spec's dtypes, or the shape's own."""

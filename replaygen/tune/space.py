@@ -80,7 +80,7 @@ import json
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
 
-from replaygen.configs import CURSOR_GRAIN, FOLD_PRECISIONS, REPLAY_KINDS, KernelConfig, KernelKind, Route, bucket_config, default_configs, state_tile_elements, validate_config
+from replaygen.configs import CURSOR_GRAIN, FOLD_PRECISIONS, REPLAY_KINDS, SpecTraits, KernelConfig, KernelKind, Route, bucket_config, default_configs, state_tile_elements, validate_config
 from replaygen.errors import ReplaygenError, UnsupportedShapeError
 from replaygen.spec.model import TargetShape
 
@@ -254,17 +254,20 @@ class SearchSpace:
         return replace(self, parameters=tuple(fixed if p.name == name else p for p in self.parameters))
 
 
-def derive_space(kind: KernelKind, shape: TargetShape, batch: int, channel_decay: bool = False, delta_rule: bool = False) -> SearchSpace:
-    """The search space of `kind` for `shape` at batch size `batch` (`channel_decay`: the spec decays per channel;
-    `delta_rule`: its update is the delta rule, which only the documented default depends on)."""
+def derive_space(kind: KernelKind, shape: TargetShape, batch: int, traits: SpecTraits = SpecTraits()) -> SearchSpace:
+    """The search space of `kind` for `shape` at batch size `batch` (`traits`: what the spec's recurrence allows,
+    `configs.spec_traits`)."""
     top = max(16, _next_pow2(shape.value_dim))
     block_v = tuple(1 << e for e in range(CURSOR_GRAIN.bit_length() - 1, top.bit_length()))
     decode = kind is KernelKind.REPLAY_DECODE
     verify = kind is KernelKind.REPLAY_VERIFY
     replay = kind in REPLAY_KINDS
+    if traits.whole_head_baseline and kind in (KernelKind.BASELINE_DECODE, KernelKind.BASELINE_VERIFY):
+        block_v = (top,)
+    scores = traits.scores
     both = (False, True)
     top_k = _next_pow2(shape.key_dim)
-    key_tiles = () if channel_decay else tuple(b for b in (16, 32, 64, 128, 256) if max(16, top_k // 4) <= b < top_k)
+    key_tiles = tuple(b for b in (16, 32, 64, 128, 256) if max(16, top_k // 4) <= b < top_k) if traits.key_tiles else ()
     parameters = (
         Parameter("block_v", block_v, Scale.LOG2),
         Parameter("num_warps", NUM_WARPS, Scale.LOG2),
@@ -272,30 +275,32 @@ def derive_space(kind: KernelKind, shape: TargetShape, batch: int, channel_decay
         Parameter("max_registers", MAX_REGISTERS if replay else (0,), Scale.CATEGORICAL),
         Parameter("route", tuple(r.value for r in Route) if replay else (Route.OUTPUT_ONLY.value,), Scale.CATEGORICAL),
         Parameter("flush_at", tuple(range(1, shape.capacity + 1)) if decode else (0, 1) if verify else (0,), Scale.LINEAR),
-        Parameter("precompute_scores", both if replay and not channel_decay else (False,), Scale.CATEGORICAL),
+        Parameter("precompute_scores", both if replay and scores else (False,), Scale.CATEGORICAL),
         Parameter("fused_flush", both if decode else (True,), Scale.CATEGORICAL),
         Parameter("prefetch_ring", both if replay else (True,), Scale.CATEGORICAL),
         Parameter("fold_chunk", FOLD_CHUNKS if replay else (4,), Scale.LOG2),
-        Parameter("fold_dot", both if replay else (False,), Scale.CATEGORICAL),
-        Parameter("fold_precision", FOLD_PRECISIONS if replay else (FOLD_PRECISIONS[0],), Scale.CATEGORICAL),
+        Parameter("fold_dot", both if replay and shape.rank == 1 else (False,), Scale.CATEGORICAL),
+        Parameter("fold_precision", FOLD_PRECISIONS if replay and shape.rank == 1 else (FOLD_PRECISIONS[0],), Scale.CATEGORICAL),
         Parameter("block_k", (0, *key_tiles) if decode else (0,), Scale.CATEGORICAL),
-        Parameter("readout_dot", both if kind is KernelKind.REPLAY_VERIFY and not channel_decay else (False,), Scale.CATEGORICAL),
+        Parameter("readout_dot", both if kind is KernelKind.REPLAY_VERIFY and scores else (False,), Scale.CATEGORICAL),
         Parameter("evict_state", both, Scale.CATEGORICAL),
-        Parameter("overlap_scores", both if replay and not channel_decay else (False,), Scale.CATEGORICAL),
-        Parameter("align_flushes", both if decode and not channel_decay else (False,), Scale.CATEGORICAL),
-        Parameter("flush_groups", FLUSH_GROUPS if decode and not channel_decay else (1,), Scale.LOG2),
-        Parameter("window_block_v", (0, *(b for b in block_v if b >= 16)) if verify and not channel_decay else (0,), Scale.CATEGORICAL),
-        Parameter("window_warps", NUM_WARPS if verify and not channel_decay else (1,), Scale.LOG2),
+        Parameter("overlap_scores", both if replay and scores else (False,), Scale.CATEGORICAL),
+        Parameter("align_flushes", both if decode and scores else (False,), Scale.CATEGORICAL),
+        Parameter("flush_groups", FLUSH_GROUPS if decode and scores else (1,), Scale.LOG2),
+        Parameter("window_block_v", (0, *(b for b in block_v if b >= 16)) if verify and scores else (0,), Scale.CATEGORICAL),
+        Parameter("window_warps", NUM_WARPS if verify and scores else (1,), Scale.LOG2),
         Parameter("early_launch", both if replay else (False,), Scale.CATEGORICAL),
         Parameter("prefetch_fold_keys", both if replay else (False,), Scale.CATEGORICAL),
         Parameter("early_commit", both if verify else (False,), Scale.CATEGORICAL),
     )
-    return SearchSpace(kind=kind, shape=shape, parameters=parameters, default=default_config(kind, shape, batch, channel_decay, delta_rule))
+    default = default_config(kind, shape, batch, traits)
+    return SearchSpace(kind=kind, shape=shape, parameters=parameters, default=default)
 
 
-def default_config(kind: KernelKind, shape: TargetShape, batch: int, channel_decay: bool = False, delta_rule: bool = False) -> KernelConfig:
+def default_config(kind: KernelKind, shape: TargetShape, batch: int, traits: SpecTraits = SpecTraits()) -> KernelConfig:
     """The documented default for `batch` (its bucket of `default_configs`), flush_at 0 written as L."""
-    config = bucket_config(default_configs(kind, shape, channel_decay=channel_decay, delta_rule=delta_rule), batch)
+    tables = default_configs(kind, shape, traits)
+    config = bucket_config(tables, batch)
     if kind is KernelKind.REPLAY_DECODE and config.flush_at == 0:
         config = replace(config, flush_at=shape.capacity)
     return config

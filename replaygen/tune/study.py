@@ -45,9 +45,9 @@ from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
 from replaygen.codegen import template_hash
-from replaygen.configs import KernelConfig, KernelKind, replay_decode_structures
+from replaygen.configs import KernelConfig, KernelKind, replay_decode_structures, spec_traits
 from replaygen.errors import ReplaygenError
-from replaygen.spec.model import DecayGranularity, Spec, TargetShape, UpdateKind
+from replaygen.spec.model import Spec, TargetShape
 from replaygen.traffic import state_bytes
 from replaygen.tune.objective import Evaluator, TuneAborted
 from replaygen.keys import render_candidate
@@ -117,7 +117,7 @@ def plan_tasks(spec: Spec, shapes: tuple[TargetShape, ...], kinds: tuple[KernelK
     for shape in shapes:
         for batch in batches:
             for kind in kinds:
-                space = derive_space(kind, shape, batch, spec.decay.granularity is DecayGranularity.CHANNEL, spec.update.kind is UpdateKind.DELTA)
+                space = derive_space(kind, shape, batch, spec_traits(spec, shape))
                 for name, value in fixed:
                     if name in {p.name for p in space.free}:
                         space = space.fix(name, value)
@@ -316,10 +316,9 @@ class Tuner:
         round trip at batch 1-8 where the baseline did not need it)."""
         if task.kind is not KernelKind.REPLAY_DECODE:
             return ()
-        channel = task.spec.decay.granularity is DecayGranularity.CHANNEL
         structures = tuple(
             replace(config, flush_at=config.flush_at or task.shape.capacity)
-            for config in replay_decode_structures(task.shape, task.batch, channel_decay=channel, delta_rule=task.spec.update.kind is UpdateKind.DELTA)
+            for config in replay_decode_structures(task.shape, task.batch, spec_traits(task.spec, task.shape))
         )
         baselines = [
             t for t in self._comparable_trials()
