@@ -475,7 +475,9 @@ def test_mismatched_records_are_never_applied_silently(mamba2, tmp_path, monkeyp
     monkeypatch.setenv("REPLAYGEN_TEMPLATES", str(variant))
     assert resolve_configs(mamba2, shape, "h100", tune_dir).configs[RD] == (BucketConfig(None, config),)  # a comment
     decode = variant / "kernels" / "replay_decode.py.j2"
-    decode.write_text(decode.read_text().replace("    if EARLY_WAIT:\n        gdc_wait()\n{{ m.program_prologue() }}\n", "    if EARLY_WAIT:\n        gdc_wait()\n{{ m.program_prologue() }}\n    i_unused = 0\n", 1))
+    whole_key_prologue = "    if EARLY_WAIT:\n        gdc_wait()\n{{ m.program_prologue(plan=plan) }}\n"
+    assert decode.read_text().count(whole_key_prologue) == 1
+    decode.write_text(decode.read_text().replace(whole_key_prologue, whole_key_prologue + "    i_unused = 0\n"))
     with pytest.raises(TuningRecordError, match=r"the code it ran has changed since \(_replay_decode_kernel changed\)"):
         resolve_configs(mamba2, shape, "h100", tune_dir)
 
