@@ -44,13 +44,13 @@ from replaygen.spec.model import (
     VectorTransform,
 )
 from replaygen.traffic import (
+    STATE_BUDGET_BYTES,
     baseline_decode_bytes,
     baseline_verify_bytes,
     best_verify_capacity,
     replay_decode_bytes,
     replay_verify_bytes,
-    spec_slot_memory,
-    state_bytes,
+    speculative_memory,
     verify_flush_period,
 )
 
@@ -613,15 +613,14 @@ def format_verify_rows(rows: list[VerifyRow]) -> str:
     return "\n".join(lines)
 
 
-def memory_rows(spec: Spec, shape: TargetShape, act: DType, windows: list[int], budget: int = 40 << 30) -> list[MemoryRow]:
+def memory_rows(spec: Spec, shape: TargetShape, act: DType, windows: list[int], budget: int = STATE_BUDGET_BYTES) -> list[MemoryRow]:
     """Bytes per slot and the most sequences a fixed state budget holds: standard decode (one state), speculative
     decode with one snapshot per window token, and replay."""
     rows = []
-    decode = state_bytes(spec, shape)
     for tokens in windows:
         vshape = verify_shape(shape, spec, act, tokens)
-        snap, rep = spec_slot_memory(spec, vshape, act, tokens)
-        rows.append(MemoryRow(shape.name, tokens, vshape.capacity, decode, snap, rep, budget, budget // decode, budget // snap, budget // rep))
+        memory = speculative_memory(spec, vshape, act, tokens)
+        rows.append(MemoryRow(shape.name, tokens, vshape.capacity, memory.decode, memory.snapshots, memory.replay, budget, *memory.sequences(budget)))
     return rows
 
 

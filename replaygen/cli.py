@@ -151,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("show", help="buffer layout, bytes per step, memory per slot, speedup bound", description="Print what the spec derives for each shape: the replay-buffer layout, the traffic model and memory per slot.")
     _add_spec(p)
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help=DTYPE_HELP)
+    p.add_argument("--state-dtype", choices=sorted(DTYPES), default=None, help=(
+        "show every shape with this state dtype instead of its own (round-to-nearest where the shape rounds "
+        "stochastically and this is fp32): what a 16-bit state would save"))
 
     p = sub.add_parser("bench", help="time baseline vs replay decode on the GPU", description=(
         "Time baseline and replay decode side by side in one process on the same inputs: cold state (layer states "
@@ -460,14 +463,17 @@ def cmd_show(args: argparse.Namespace) -> int:
     from replaygen.build import select_shapes
     from replaygen.plan import buffers
     from replaygen.spec import load_spec
-    from replaygen.spec.model import DType
-    from replaygen.traffic import baseline_decode_bytes, entry_bytes, replay_decode_bytes, slot_memory, speedup_bound
+    from replaygen.spec.model import DType, Rounding
+    from replaygen.traffic import STATE_BUDGET_BYTES, baseline_decode_bytes, entry_bytes, replay_decode_bytes, slot_memory, speculative_memory, speedup_bound
 
     spec = load_spec(args.spec)
     act = DType(DTYPES[_activation_dtype(spec, args.dtype, "bf16")])
     print(f"spec {spec.name} ({spec.source_file}, sha256 {spec.source_sha256[:12]}): {spec.description}")
     print(f"  update {spec.update.kind.value}, decay per {spec.decay.granularity.value}, activations {act.value}")
     for shape in select_shapes(spec, args.shape):
+        if args.state_dtype is not None:
+            state_dtype = DType(DTYPES[args.state_dtype])
+            shape = replace(shape, state_dtype=state_dtype, rounding=shape.rounding if state_dtype.itemsize < 4 else Rounding.NEAREST)
         rounding = f", {shape.rounding.value} rounding" if shape.state_dtype.itemsize < 4 else ""
         print(f"\nshape {shape.name}: {_describe(shape)}, state {shape.state_dtype.value} {shape.layout.value}{rounding}")
         print(f"  replay buffer per slot (ring of L + T = {shape.capacity + shape.window} entries, at most L committed):")
@@ -486,6 +492,11 @@ def cmd_show(args: argparse.Namespace) -> int:
             f"L={capacity} {speedup_bound(spec, replace(shape, capacity=capacity), act):.3f}x" for capacity in (4, 8, 16, 32, 64) if capacity != shape.capacity))
         mem = slot_memory(spec, shape, act)
         print(f"  memory per slot: baseline {mem.baseline:,} B; replay {mem.replay:,} B (checkpoint {mem.replay_checkpoint:,} + buffers {mem.replay_buffers:,} + cursors {mem.replay_cursor:,})")
+        spec_mem = speculative_memory(spec, shape, act, shape.window)
+        most = spec_mem.sequences()
+        print(f"  speculative decoding, T={shape.window}: snapshot verify {spec_mem.snapshots:,} B per slot (a state per window token); "
+              f"sequences in {STATE_BUDGET_BYTES >> 30} GiB of one layer's state: plain decode {most[0]:,}, snapshot verify {most[1]:,}, "
+              f"replay {most[2]:,} ({most[2] / most[1]:.2f}x snapshot verify)")
     return 0
 
 

@@ -14,6 +14,9 @@ from replaygen.configs import CURSOR_GRAIN
 from replaygen.spec.model import CacheField, DecayGranularity, DType, Spec, TargetShape, UpdateKind
 
 CURSOR_BYTES = 8  # int32 start + count
+# The device memory `SpeculativeMemory.sequences` counts sequences in (one layer's states; the counts of a
+# model's layers all scale by the same factor, so the ratios hold for the model).
+STATE_BUDGET_BYTES = 40 << 30
 
 
 @dataclass(frozen=True)
@@ -191,6 +194,21 @@ def best_verify_capacity(spec: Spec, shape: TargetShape, act: DType, tokens: int
     return min(L for L in candidates if cost[L] <= (1 + slack) * fewest)
 
 
-def spec_slot_memory(spec: Spec, shape: TargetShape, act: DType, tokens: int) -> tuple[int, int]:
-    """Bytes per slot for speculative decoding: (one snapshot per window token, replay checkpoint + buffers + cursors)."""
-    return tokens * (state_bytes(spec, shape) + carried_bytes(spec, shape)), slot_memory(spec, shape, act).replay
+@dataclass(frozen=True)
+class SpeculativeMemory:
+    """Bytes per sequence slot of one layer's state for windows of `tokens` draft tokens."""
+
+    tokens: int
+    decode: int  # one state and its carried entries: plain decode
+    snapshots: int  # one of those per window token: the per-draft-snapshot verify
+    replay: int  # checkpoint, buffers of the shape's ring of L + T entries, cursors
+
+    def sequences(self, budget: int = STATE_BUDGET_BYTES) -> tuple[int, int, int]:
+        """The most sequences `budget` bytes hold: (plain decode, snapshot verify, replay)."""
+        return budget // self.decode, budget // self.snapshots, budget // self.replay
+
+
+def speculative_memory(spec: Spec, shape: TargetShape, act: DType, tokens: int) -> SpeculativeMemory:
+    """`SpeculativeMemory` of the shape (its state dtype, its ring) for windows of `tokens`."""
+    decode = state_bytes(spec, shape) + carried_bytes(spec, shape)
+    return SpeculativeMemory(tokens, decode, tokens * decode, slot_memory(spec, shape, act).replay)

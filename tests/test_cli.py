@@ -39,6 +39,23 @@ def test_show(capsys):
     assert "buf_key" in out and "8,425,728" in out
 
 
+def test_show_speculative_memory_per_state_dtype(capsys):
+    """The sequences a fixed state budget holds with windows of the shape's T, at its own state dtype and at another:
+    a bfloat16 state halves the state and every snapshot, not the buffers. GDN qwen3.5-mtp (L=28, T=4): a 2 MiB
+    float32 state per sequence, snapshots 4 of those, replay the state plus 32 ring entries of 12,416 B."""
+    gdn = str(ROOT / "specs" / "gdn.yaml")
+    assert main(["show", gdn, "--shape", "qwen3.5-mtp"]) == 0
+    out = capsys.readouterr().out
+    assert "state float32" in out
+    assert "snapshot verify 8,388,608 B per slot" in out
+    assert "plain decode 20,480, snapshot verify 5,120, replay 17,189 (3.36x snapshot verify)" in out
+    assert main(["show", gdn, "--shape", "qwen3.5-mtp", "--state-dtype", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "state bfloat16" in out and "nearest rounding" in out
+    assert "replay 1,449,984 B (checkpoint 1,048,576 + buffers 397,312" in out
+    assert "plain decode 40,960, snapshot verify 10,240, replay 29,620 (2.89x snapshot verify)" in out
+
+
 def test_list(capsys, tmp_path):
     """Specs, shapes, and per GPU which shapes' records hold trials of which kernels (a corrupt file named)."""
     records = tmp_path / "tune" / "h100"
