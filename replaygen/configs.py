@@ -329,13 +329,11 @@ def key_tiled_state_route(shape: TargetShape, traits: SpecTraits = SpecTraits())
     )
 
 
-def replay_decode_structures(shape: TargetShape, batch: int, traits: SpecTraits = SpecTraits()) -> tuple[KernelConfig, ...]:
-    """Replay decode's kernel structures above batch 8, each in a launch shape that won on the H200 (design.md,
-    "Key tiles"): the key-tiled state route, the key-tiled output-only route (two slices of half the key axis, 64 value
-    rows, two stages), and the whole-key output-only step. A search starts from each (a search over the knobs alone
-    rarely finds a structure the default does not have); nothing at batch 8 and below."""
-    if batch <= 8:
-        return ()
+def replay_decode_structures(shape: TargetShape, traits: SpecTraits = SpecTraits()) -> tuple[KernelConfig, ...]:
+    """Replay decode's buffering kernel structures, each in a launch shape that won on the H200
+    (design.md, "Key tiles"): the key-tiled state route, the key-tiled output-only route (two slices of half the key
+    axis, 64 value rows, two stages), and the whole-key output-only step. A search starts from each, at every batch
+    size (a search over the knobs alone rarely finds a structure the default does not have)."""
     tiled = key_tiled_state_route(shape, traits)
     if tiled is None:
         return (whole_key_output_only(shape, traits),)

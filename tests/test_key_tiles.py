@@ -102,7 +102,7 @@ def test_key_tiles_need_what_a_slice_can_hold(other):
     with pytest.raises(UnsupportedShapeError, match="block_k slices the state and the key along the key axis"):
         tiled(spec, shape, OUTPUT_ONLY)
     assert key_tiled_state_route(shape, traits) is None
-    assert all(not c.block_k for c in replay_decode_structures(shape, 32, traits))
+    assert all(not c.block_k for c in replay_decode_structures(shape, traits))
     assert derive_space(KernelKind.REPLAY_DECODE, shape, 32, traits).parameter("block_k").choices == (0,)
 
 

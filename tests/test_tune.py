@@ -18,7 +18,7 @@ import torch
 from replaygen import measure
 from replaygen.build import build_spec
 from replaygen.cli import main
-from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route, SpecTraits, bucket_range, bucket_variants, module_defaults, replay_decode_structures
+from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route, SpecTraits, bucket_config, bucket_range, bucket_variants, default_configs, module_defaults, replay_decode_structures, spec_traits
 from replaygen.errors import TuningRecordError, UnsupportedShapeError
 from replaygen.measure import Timing
 from replaygen.offline import architecture
@@ -954,31 +954,37 @@ def test_gpu_names():
 def test_replay_search_starts_from_the_baselines_step_in_its_best_launch_shape(mamba2, tmp_path):
     """After the baseline's search at a batch, replay decode enqueues flush_at=1 (the baseline's step on the checkpoint)
     in the baseline winner's block_v, warps and state eviction policy, then with the other policy, with the one-entry
-    fold loop, right after its default."""
-    results, store, _ = run(mamba2, tmp_path, (BD, RD), (8,), trials=4)
+    fold loop, right after its default and the kernel structures. Searched alone, from no records, it starts from
+    the baseline's documented launch shape instead."""
+    shape = mamba2.shape("nemotron-h")
+    structures = [replace(c, flush_at=c.flush_at or shape.capacity) for c in replay_decode_structures(shape, spec_traits(mamba2, shape))]
+    results, store, _ = run(mamba2, tmp_path, (BD, RD), (8,), trials=8)
     base, replay = results
     replay_trials = [t.config for t in store.trials if t.key.kind is RD]
+    others = [c for c in structures if c != replay.default.config]
     best = base.best.config
     seed = KernelConfig(block_v=best.block_v, num_warps=best.num_warps, flush_at=1, fold_chunk=1, evict_state=best.evict_state)
-    assert replay_trials[:3] == [replay.default.config, seed, replace(seed, evict_state=not best.evict_state)]
-    alone, store_alone, _ = run(mamba2, tmp_path / "alone", (RD,), (8,), trials=4)
-    assert seed not in [t.config for t in store_alone.trials][:3]  # no baseline recorded: no such seed
+    assert replay_trials[: 3 + len(others)] == [replay.default.config, *others, seed, replace(seed, evict_state=not best.evict_state)]
+    alone, store_alone, _ = run(mamba2, tmp_path / "alone", (RD,), (8,), trials=8)
+    default = bucket_config(default_configs(BD, shape), 8)
+    seed = KernelConfig(block_v=default.block_v, num_warps=default.num_warps, flush_at=1, fold_chunk=1, evict_state=default.evict_state)
+    assert [t.config for t in store_alone.trials][1 + len(others) : 3 + len(others)] == [seed, replace(seed, evict_state=not default.evict_state)]
 
 
-def test_replay_search_above_batch_8_starts_from_every_kernel_structure(mamba2, tmp_path):
-    """Above batch 8, replay decode times the documented default, then each kernel structure the default is not
+@pytest.mark.parametrize("batch", [1, 32])
+def test_replay_search_starts_from_every_kernel_structure(mamba2, tmp_path, batch):
+    """At every batch size, replay decode times the documented default, then each kernel structure the default is not
     (configs.replay_decode_structures: the key-tiled state route, the key-tiled output-only route, the whole-key
-    output-only step), before the sampler proposes anything; at batch 8 there are none."""
+    output-only step), before the sampler proposes anything."""
     shape = mamba2.shape("nemotron-h")
-    structures = [replace(c, flush_at=c.flush_at or shape.capacity) for c in replay_decode_structures(shape, 32)]
+    structures = [replace(c, flush_at=c.flush_at or shape.capacity) for c in replay_decode_structures(shape, spec_traits(mamba2, shape))]
     assert len(structures) == 3 and {c.block_k for c in structures} == {0, 64} and structures[0].route is Route.STATE_AND_OUTPUT
-    results, store, _ = run(mamba2, tmp_path, (RD,), (32,), trials=6)
+    results, store, _ = run(mamba2, tmp_path, (RD,), (batch,), trials=6)
     (replay,) = results
     replay_trials = [t.config for t in store.trials if t.key.kind is RD]
     assert replay_trials[0] == replay.default.config
     others = [c for c in structures if c != replay.default.config]  # the default is one of them: enqueued once
-    assert replay_trials[1 : 1 + len(others)] == others and len(others) == 2
-    assert replay_decode_structures(shape, 8) == ()
+    assert replay_trials[1 : 1 + len(others)] == others and len(others) == (2 if batch > 8 else 3)
 
 
 def as_earlier_code(trials):

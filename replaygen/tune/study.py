@@ -45,7 +45,7 @@ from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
 from replaygen.codegen import template_hash
-from replaygen.configs import KernelConfig, KernelKind, replay_decode_structures, spec_traits
+from replaygen.configs import KernelConfig, KernelKind, bucket_config, default_configs, replay_decode_structures, spec_traits
 from replaygen.errors import ReplaygenError
 from replaygen.spec.model import Spec, TargetShape
 from replaygen.traffic import state_bytes
@@ -307,28 +307,25 @@ class Tuner:
         return record, False
 
     def _seeds(self, task: SearchTask) -> tuple[KernelConfig, ...]:
-        """Replay decode also starts from each kernel structure above batch 8 (configs.replay_decode_structures),
-        and from the baseline's step on the checkpoint (flush_at=1) in the launch shape of the
-        best baseline decode recorded at this batch: a bucket where buffering does not pay keeps close to the baseline.
-        The seeds fold one entry per loop step (fold_chunk=1): that loop runs only for entries a larger threshold left,
-        and unrolled chunks would cost registers, so programs per multiprocessor, on every step.
-        Two seeds: the baseline's state eviction policy, then the other (evict-first saved the replay its cursor's
+        """Replay decode also starts from each kernel structure (configs.replay_decode_structures), then from the
+        baseline's step on the checkpoint (flush_at=1) in the launch shape of the best baseline decode recorded at this
+        batch, or of the baseline's documented default where none is (a search of replay decode alone, from no
+        records): a bucket where buffering does not pay keeps close to the baseline.
+        The flush_at=1 seeds fold one entry per loop step (fold_chunk=1): that loop runs only for entries a larger
+        threshold left, and unrolled chunks would cost registers, so programs per multiprocessor, on every step.
+        Two of them: the baseline's state eviction policy, then the other (evict-first saved the replay its cursor's
         round trip at batch 1-8 where the baseline did not need it)."""
         if task.kind is not KernelKind.REPLAY_DECODE:
             return ()
-        structures = tuple(
-            replace(config, flush_at=config.flush_at or task.shape.capacity)
-            for config in replay_decode_structures(task.shape, task.batch, spec_traits(task.spec, task.shape))
-        )
+        traits = spec_traits(task.spec, task.shape)
+        structures = tuple(replace(config, flush_at=config.flush_at or task.shape.capacity) for config in replay_decode_structures(task.shape, traits))
         baselines = [
             t for t in self._comparable_trials()
             if t.key.kind is KernelKind.BASELINE_DECODE and t.batch == task.batch and t.status is TrialStatus.OK
         ]
-        if not baselines:
-            return structures
-        best = min(baselines, key=lambda t: t.value).config
-        shape = KernelConfig(block_v=best.block_v, num_warps=best.num_warps, flush_at=1, fold_chunk=1)
-        return structures + tuple(replace(shape, evict_state=evict) for evict in (best.evict_state, not best.evict_state))
+        best = min(baselines, key=lambda t: t.value).config if baselines else bucket_config(default_configs(KernelKind.BASELINE_DECODE, task.shape, traits), task.batch)
+        step = KernelConfig(block_v=best.block_v, num_warps=best.num_warps, flush_at=1, fold_chunk=1)
+        return structures + tuple(replace(step, evict_state=evict) for evict in (best.evict_state, not best.evict_state))
 
     def _exhaustive(self, task: SearchTask, deadline: float | None, candidates: tuple[KernelConfig, ...], study: str) -> SearchResult:
         """Time `candidates` in order (every candidate of the space, or the recorded ones)."""
