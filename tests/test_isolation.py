@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route, bucket_config
+from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route, bucket_config, spec_traits
 from replaygen.harness import InputFactory
 from replaygen.runtime import import_path, load_kernels
 from replaygen.spec import load_spec
@@ -60,7 +60,7 @@ TABLES = {
     KernelKind.BASELINE_DECODE: (BucketConfig(4, ONE_WARP), BucketConfig(None, KernelConfig(block_v=16, num_warps=4, evict_state=True))),
     KernelKind.BASELINE_VERIFY: (BucketConfig(4, ONE_WARP), BucketConfig(None, KernelConfig(block_v=16, num_warps=4, evict_state=True))),
 }
-SPECS = ("mamba2", "gdn")
+SPECS = ("mamba2", "gdn", "kda", "mamba3")
 
 
 @functools.cache
@@ -68,9 +68,19 @@ def spec_of(name):
     return load_spec(ROOT / "specs" / f"{name}.yaml")
 
 
+def tables_for(spec):
+    """TABLES with what the spec's recurrence cannot run turned off: where its keys are not scored once per key head
+    (a per-channel decay, an entry carried, keys per rank) no scores kernel, nor what reads it (aligned flushes,
+    tensor-core readouts, the split verify's window half). Each bucket still runs its own kernel path."""
+    if spec_traits(spec, SHAPE).scores:
+        return TABLES
+    unscored = dict(precompute_scores=False, overlap_scores=False, align_flushes=False, flush_groups=1, readout_dot=False, window_block_v=0, window_warps=1)
+    return {kind: tuple(BucketConfig(b.max_batch, replace(b.config, **unscored)) for b in table) for kind, table in TABLES.items()}
+
+
 @functools.cache
 def module_of(name):
-    return load_kernels(spec_of(name), SHAPE, TABLES)
+    return load_kernels(spec_of(name), SHAPE, tables_for(spec_of(name)))
 
 
 @dataclass(frozen=True)
@@ -147,6 +157,23 @@ def ring_buffers(state):
     return {name: t for name, t in vars(state).items() if isinstance(t, torch.Tensor) and any(t is b for b in state.buffers())}
 
 
+def named_states(module, states, label):
+    """The tensors of full states by name: `label` for a plain state tensor; for a spec that carries entries beside its
+    state (SlotStates), `label` for the state and `label` plus each carried entry's name for the others."""
+    if isinstance(states, torch.Tensor):
+        return {label: states}
+    names = ("", *(f" {name}" for name, _ in module.CARRIED))
+    return {f"{label}{name}": t for name, t in zip(names, states.tensors(), strict=True)}
+
+
+def random_states(module, lead, gen):
+    """Full states of [*lead] slots (SlotStates where the spec carries entries), standard normal."""
+    state = torch.randn((*lead, *module.STATE_SHAPE), generator=gen).to(DEVICE)
+    if not hasattr(module, "SlotStates"):
+        return state
+    return module.SlotStates(state, *(torch.randn((*lead, *sizes), generator=gen).to(DEVICE) for _, sizes in module.CARRIED))
+
+
 class Run:
     """One pass of calls from freshly prepared memory: the outputs of every call and the memory after it.
 
@@ -171,19 +198,21 @@ class Run:
         self.replay.scores.copy_(torch.randn(self.replay.scores.shape, generator=gen))
         self.replay.cursor.copy_(torch.tensor(CURSORS, dtype=torch.int32)[:, None, None, :].expand(self.replay.cursor.shape))
         self.baseline = self.module.allocate_baseline(NUM_SLOTS, DEVICE)
-        self.baseline.copy_(0.5 * torch.randn(self.baseline.shape, generator=gen))
         self.snapshots, self.current = self.module.allocate_snapshots(NUM_SLOTS, DEVICE)
-        self.snapshots.copy_(0.5 * torch.randn(self.snapshots.shape, generator=gen))
+        for t in (*named_states(self.module, self.baseline, "").values(), *named_states(self.module, self.snapshots, "").values()):
+            t.copy_(0.5 * torch.randn(t.shape, generator=gen))
         self.current.copy_(torch.arange(NUM_SLOTS, dtype=torch.int32) % SHAPE.window)
         if target and target.startswith("memory"):
             values = poison_values(target)
-            for i, t in enumerate((self.replay.checkpoint, *ring_buffers(self.replay).values(), self.replay.scores, self.baseline, self.snapshots)):
+            baseline = (*named_states(self.module, self.baseline, "").values(), *named_states(self.module, self.snapshots, "").values())
+            for i, t in enumerate((self.replay.checkpoint, *ring_buffers(self.replay).values(), self.replay.scores, *baseline)):
                 t[FAULTY_SLOT] = values[i % len(values)]
 
     def slot_tensors(self):
         return {
             "checkpoint": self.replay.checkpoint, **ring_buffers(self.replay), "cursor": self.replay.cursor, "scores": self.replay.scores,
-            "pending": self.replay.pending, "baseline state": self.baseline, "snapshots": self.snapshots, "current": self.current,
+            "pending": self.replay.pending, **named_states(self.module, self.baseline, "baseline state"),
+            **named_states(self.module, self.snapshots, "snapshots"), "current": self.current,
         }
 
     def run(self, ops):
@@ -194,14 +223,17 @@ class Run:
     def call(self, op):
         slots = torch.tensor(op.rows, dtype=torch.int32, device=DEVICE)
         if op.kind == "load":
-            states = torch.randn((op.batch, *self.module.STATE_SHAPE), generator=self.factory.gen).to(DEVICE)
-            self.poison_rows(op, (states,))
+            states = random_states(self.module, (op.batch,), self.factory.gen)
+            self.poison_rows(op, named_states(self.module, states, "").values())
             self.before_kernel()
             self.module.load(self.replay, slots, states)
         elif op.kind == "materialize":
-            out = torch.full((op.batch, *self.module.STATE_SHAPE), SENTINEL, device=DEVICE)
+            out = random_states(self.module, (op.batch,), self.factory.gen)
+            for t in named_states(self.module, out, "").values():
+                t.fill_(SENTINEL)
             self.before_kernel()
-            self.outputs.append((op.label, self.module.materialize(self.replay, slots, out=out), op.faulty_row))
+            self.module.materialize(self.replay, slots, out=out)
+            self.outputs += [(name, t, op.faulty_row) for name, t in named_states(self.module, out, op.label).items()]
         else:
             windowed = op.kind in ("verify", "baseline_verify")
             inputs = self.factory.window(op.batch, op.tokens, use_direct=self.direct) if windowed else self.factory.step(op.batch, use_direct=self.direct)
