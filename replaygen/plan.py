@@ -244,7 +244,9 @@ def plan_module(
     configs: dict[KernelKind, tuple[BucketConfig, ...]],
     config_source: str,
 ) -> ModulePlan:
-    """Derive the rendering plan of one generated module (all kernels of one shape)."""
+    """Derive the rendering plan of one generated module (all kernels of one shape; UnsupportedShapeError where the
+    shape does not fit the spec, `Spec.resolve`)."""
+    shape = spec.resolve(shape)
     for kind, table in configs.items():
         if not table or table[-1].max_batch is not None:
             raise UnsupportedShapeError(f"{kind.value}: a dispatch table must end with an open-ended bucket")

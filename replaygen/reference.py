@@ -66,6 +66,7 @@ class Reference:
     """The recurrence of `spec` at `shape` over `num_slots` slots, in float64 on the CPU."""
 
     def __init__(self, spec: Spec, shape: TargetShape, num_slots: int):
+        shape = spec.resolve(shape)
         self.spec = spec
         self.shape = shape
         n, h = num_slots, shape.heads

@@ -356,3 +356,43 @@ def test_spec_error_text(tmp_path):
     with pytest.raises(SpecError) as info:
         load_spec(bad)
     assert str(bad) in str(info.value) and "replay.capacity" in str(info.value)
+
+
+@pytest.mark.parametrize("spec_name,changes,message", [
+    ("mamba2", dict(rotary_pairing="adjacent"), "a rotary pairing needs the spec's 'rotary'"),
+    ("mamba2", dict(rank=2), "rank 2 needs the spec's 'ranks' weights and no conv"),
+    ("gdn", dict(heads=3), "heads=3 is not a multiple of key_heads=2"),
+    ("mamba2", dict(rounding="stochastic"), "stochastic rounding is for a 16-bit state"),
+    ("mamba2", dict(capacity=3, window=2), "the flush rule h \\+ 2T > L needs T >= 1 and L >= 2T"),
+    ("mamba3", dict(key_dim=15, rotary_pairing="halves"), "key_dim=15 must be even"),
+    ("mamba3", dict(key_dim=2), "leaves no pair of channels to rotate"),
+])
+def test_a_shape_built_in_python_must_fit_its_spec(spec_name, changes, message):
+    """A TargetShape the loader never saw (built in Python) is checked where a module or a reference is made from it,
+    with an error naming the shape and the spec, not rendered into kernels that disagree with the reference."""
+    from dataclasses import replace
+
+    from replaygen.configs import module_defaults
+    from replaygen.errors import UnsupportedShapeError
+    from replaygen.plan import plan_module
+    from replaygen.reference import Reference
+    from replaygen.spec.model import RotaryPairing, TargetShape
+
+    spec = load_spec(ROOT / "specs" / f"{spec_name}.yaml")
+    enums = {"rotary_pairing": RotaryPairing, "rounding": Rounding}
+    shape = replace(TargetShape("mine", heads=4, key_heads=2, value_dim=8, key_dim=16, capacity=4, window=1),
+                    **{name: enums[name](value) if name in enums else value for name, value in changes.items()})
+    for make in (lambda: plan_module(spec, shape, "any", module_defaults(spec, shape), "test"), lambda: Reference(spec, shape, 2)):
+        with pytest.raises(UnsupportedShapeError, match=f"shape 'mine' does not fit spec '{spec_name}': .*{message}"):
+            make()
+
+
+def test_a_shape_built_in_python_takes_the_specs_rotary_pairing():
+    """A rotary spec's pairing fills in a Python-built shape's None, for the kernels and the reference alike."""
+    from replaygen.spec.model import RotaryPairing, TargetShape
+
+    spec = load_spec(ROOT / "specs" / "mamba3.yaml")
+    shape = TargetShape("mine", heads=4, key_heads=1, value_dim=8, key_dim=16, capacity=4, window=1)
+    resolved = spec.resolve(shape)
+    assert resolved.rotary_pairing is spec.rotary.pairing is RotaryPairing.ADJACENT
+    assert spec.resolve(resolved) == resolved

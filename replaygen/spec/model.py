@@ -13,7 +13,9 @@ carries an angle per head.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from replaygen.errors import UnsupportedShapeError
 
 
 class DType(enum.Enum):
@@ -307,6 +309,38 @@ class Spec:
                 return shape
         known = ", ".join(s.name for s in self.shapes)
         raise KeyError(f"spec '{self.name}' has no shape '{name}' (known: {known})")
+
+    def resolve(self, shape: TargetShape) -> TargetShape:
+        """`shape` as this spec runs it: what it leaves to the spec filled in (the rotary pairing). UnsupportedShapeError
+        naming the shape where it does not fit the spec (a shape built in Python, which the loader never saw)."""
+        problems = []
+        if shape.heads < 1 or shape.key_heads < 1 or shape.value_dim < 1 or shape.key_dim < 1 or shape.rank < 1:
+            problems.append("heads, key_heads, value_dim, key_dim and rank must be at least 1")
+        elif shape.heads % shape.key_heads:
+            problems.append(f"heads={shape.heads} is not a multiple of key_heads={shape.key_heads}")
+        if self.inputs.key_sharing is Sharing.HEAD and shape.key_heads != shape.heads:
+            problems.append(f"the spec's keys are per head (inputs.key_sharing 'head'): key_heads must equal heads ({shape.heads})")
+        if shape.window < 1 or shape.capacity < 2 * shape.window:
+            problems.append(f"capacity L={shape.capacity} and window T={shape.window}: the flush rule h + 2T > L needs T >= 1 and L >= 2T")
+        if shape.rounding is Rounding.STOCHASTIC and shape.state_dtype is DType.FLOAT32:
+            problems.append("stochastic rounding is for a 16-bit state (bfloat16 or float16)")
+        if shape.rank > 1 and (self.ranks is None or self.conv is not None):
+            problems.append(f"rank {shape.rank} needs the spec's 'ranks' weights and no conv")
+        unknown = sorted(entry.field.value for entry in shape.cache_dtypes if self.cached(entry.field) is None)
+        if unknown:
+            problems.append(f"cache dtypes of fields the spec does not cache: {', '.join(unknown)}")
+        pairing = shape.rotary_pairing
+        if self.rotary is None and pairing is not None:
+            problems.append("a rotary pairing needs the spec's 'rotary'")
+        elif self.rotary is not None:
+            pairing = pairing or self.rotary.pairing
+            if self.rotary.angles(shape.key_dim) < 1:
+                problems.append(f"rotary.fraction={self.rotary.fraction} of key_dim={shape.key_dim} leaves no pair of channels to rotate")
+            if pairing is RotaryPairing.HALVES and shape.key_dim % 2:
+                problems.append(f"pairing 'halves' turns channel i with i + key_dim / 2: key_dim={shape.key_dim} must be even")
+        if problems:
+            raise UnsupportedShapeError(f"shape {shape.name!r} does not fit spec {self.name!r}: " + "; ".join(problems))
+        return replace(shape, rotary_pairing=pairing)
 
     def cached(self, field: CacheField) -> CachedField | None:
         for entry in self.cache:
