@@ -18,7 +18,7 @@ import torch
 from replaygen import measure
 from replaygen.build import build_spec
 from replaygen.cli import main
-from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route, SpecTraits, bucket_config, bucket_range, bucket_variants, default_configs, module_defaults, replay_decode_structures, spec_traits
+from replaygen.configs import BATCH_BUCKETS, BucketConfig, KernelConfig, KernelKind, Route, SpecTraits, bucket_range, bucket_variants, module_defaults, replay_decode_structures, spec_traits
 from replaygen.errors import TuningRecordError, UnsupportedShapeError
 from replaygen.measure import Timing
 from replaygen.offline import architecture
@@ -31,7 +31,7 @@ from replaygen.keys import render_candidate
 from replaygen.tune.records import RecordStore, TrialStatus, TrialTiming, latest_trials, read_records, record_path
 from replaygen.tune.report import format_summary, summary_rows
 from replaygen.tune.run import gpu_name_of
-from replaygen.tune.space import PruneRule, derive_space
+from replaygen.tune.space import PruneRule, default_config, derive_space
 from replaygen.tune.study import Mode, Progress, Tuner, TuneSettings, distributions, encode_params, make_storage, plan_tasks, tune
 
 from conftest import ROOT, SMALL
@@ -966,7 +966,7 @@ def test_replay_search_starts_from_the_baselines_step_in_its_best_launch_shape(m
     seed = KernelConfig(block_v=best.block_v, num_warps=best.num_warps, flush_at=1, fold_chunk=1, evict_state=best.evict_state)
     assert replay_trials[: 3 + len(others)] == [replay.default.config, *others, seed, replace(seed, evict_state=not best.evict_state)]
     alone, store_alone, _ = run(mamba2, tmp_path / "alone", (RD,), (8,), trials=8)
-    default = bucket_config(default_configs(BD, shape), 8)
+    default = default_config(BD, shape, 8)
     seed = KernelConfig(block_v=default.block_v, num_warps=default.num_warps, flush_at=1, fold_chunk=1, evict_state=default.evict_state)
     assert [t.config for t in store_alone.trials][1 + len(others) : 3 + len(others)] == [seed, replace(seed, evict_state=not default.evict_state)]
 
@@ -985,6 +985,21 @@ def test_replay_search_starts_from_every_kernel_structure(mamba2, tmp_path, batc
     assert replay_trials[0] == replay.default.config
     others = [c for c in structures if c != replay.default.config]  # the default is one of them: enqueued once
     assert replay_trials[1 : 1 + len(others)] == others and len(others) == (2 if batch > 8 else 3)
+
+
+@pytest.mark.parametrize("batch", [1, 32])
+def test_every_search_also_starts_from_the_other_buckets_defaults(mamba2, tmp_path, batch):
+    """Replay verify at a batch size times its own bucket's documented default, then the other buckets' (the state
+    route of batch 1, the output-only step of batch 2-8, the large batches' step), before the sampler proposes
+    anything: a structure documented for one batch size is tried at every other."""
+    shape = mamba2.shape("nemotron-h")
+    defaults = list(dict.fromkeys(default_config(RV, shape, b, spec_traits(mamba2, shape)) for b in BATCH_BUCKETS))
+    assert len(defaults) == 3
+    results, store, _ = run(mamba2, tmp_path, (RV,), (batch,), trials=4)
+    (verify,) = results
+    own = default_config(RV, shape, batch, spec_traits(mamba2, shape))
+    assert verify.default.config == own
+    assert [t.config for t in store.trials if t.key.kind is RV][:3] == [own, *(c for c in defaults if c != own)]
 
 
 def as_earlier_code(trials):

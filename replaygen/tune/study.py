@@ -45,14 +45,14 @@ from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
 from replaygen.codegen import template_hash
-from replaygen.configs import KernelConfig, KernelKind, bucket_config, default_configs, replay_decode_structures, spec_traits
+from replaygen.configs import BATCH_BUCKETS, KernelConfig, KernelKind, replay_decode_structures, spec_traits
 from replaygen.errors import ReplaygenError
 from replaygen.spec.model import Spec, TargetShape
 from replaygen.traffic import state_bytes
 from replaygen.tune.objective import Evaluator, TuneAborted
 from replaygen.keys import render_candidate
 from replaygen.tune.records import Environment, RecordStore, TrialRecord, TrialStatus, canonical_sha256, latest_trials, speed_rank
-from replaygen.tune.space import Scale, SearchSpace, derive_space
+from replaygen.tune.space import Scale, SearchSpace, default_config, derive_space
 
 log = logging.getLogger(__name__)
 
@@ -307,25 +307,29 @@ class Tuner:
         return record, False
 
     def _seeds(self, task: SearchTask) -> tuple[KernelConfig, ...]:
-        """Replay decode also starts from each kernel structure (configs.replay_decode_structures), then from the
-        baseline's step on the checkpoint (flush_at=1) in the launch shape of the best baseline decode recorded at this
-        batch, or of the baseline's documented default where none is (a search of replay decode alone, from no
-        records): a bucket where buffering does not pay keeps close to the baseline.
+        """Where a search starts after its own bucket's default. Replay decode: each kernel structure
+        (configs.replay_decode_structures), then the baseline's step on the checkpoint (flush_at=1) in the launch shape
+        of the best baseline decode recorded at this batch, or of the baseline's documented default where none is (a
+        search of replay decode alone, from no records): a bucket where buffering does not pay keeps close to the
+        baseline. Every kind: then the other buckets' documented defaults (a structure that wins at one batch size is
+        tried at every other).
         The flush_at=1 seeds fold one entry per loop step (fold_chunk=1): that loop runs only for entries a larger
         threshold left, and unrolled chunks would cost registers, so programs per multiprocessor, on every step.
         Two of them: the baseline's state eviction policy, then the other (evict-first saved the replay its cursor's
         round trip at batch 1-8 where the baseline did not need it)."""
-        if task.kind is not KernelKind.REPLAY_DECODE:
-            return ()
         traits = spec_traits(task.spec, task.shape)
+        defaults = tuple(default_config(task.kind, task.shape, batch, traits) for batch in BATCH_BUCKETS)
+        if task.kind is not KernelKind.REPLAY_DECODE:
+            return tuple(dict.fromkeys(defaults))
         structures = tuple(replace(config, flush_at=config.flush_at or task.shape.capacity) for config in replay_decode_structures(task.shape, traits))
         baselines = [
             t for t in self._comparable_trials()
             if t.key.kind is KernelKind.BASELINE_DECODE and t.batch == task.batch and t.status is TrialStatus.OK
         ]
-        best = min(baselines, key=lambda t: t.value).config if baselines else bucket_config(default_configs(KernelKind.BASELINE_DECODE, task.shape, traits), task.batch)
+        best = min(baselines, key=lambda t: t.value).config if baselines else default_config(KernelKind.BASELINE_DECODE, task.shape, task.batch, traits)
         step = KernelConfig(block_v=best.block_v, num_warps=best.num_warps, flush_at=1, fold_chunk=1)
-        return structures + tuple(replace(step, evict_state=evict) for evict in (best.evict_state, not best.evict_state))
+        steps = tuple(replace(step, evict_state=evict) for evict in (best.evict_state, not best.evict_state))
+        return tuple(dict.fromkeys((*structures, *steps, *defaults)))
 
     def _exhaustive(self, task: SearchTask, deadline: float | None, candidates: tuple[KernelConfig, ...], study: str) -> SearchResult:
         """Time `candidates` in order (every candidate of the space, or the recorded ones)."""
