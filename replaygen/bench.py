@@ -57,7 +57,6 @@ from replaygen.traffic import (
 log = logging.getLogger(__name__)
 
 TORCH_TO_DTYPE = {torch.bfloat16: DType.BFLOAT16, torch.float16: DType.FLOAT16, torch.float32: DType.FLOAT32}
-FLA_MODULE = "fla.ops.gated_delta_rule"
 FLA_ABSENT = "flash-linear-attention not installed: no FLA column"
 # Relative error FLA's outputs and states may show against our baseline decode on the same step.
 FLA_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-3}
@@ -147,9 +146,26 @@ class FlaCheck:
 
 
 @dataclass(frozen=True)
+class FlaOp:
+    """FLA's decode function for a delta rule with decay per `granularity`: where it lives, and whether it takes the
+    gate's pre-activation and computes the decay and beta in the kernel (KDA's `use_gate_in_kernel`)."""
+
+    module: str
+    function: str
+    gate_in_kernel: bool
+
+
+FLA_OPS = {
+    DecayGranularity.HEAD: FlaOp("fla.ops.gated_delta_rule", "fused_recurrent_gated_delta_rule", gate_in_kernel=False),
+    DecayGranularity.CHANNEL: FlaOp("fla.ops.kda", "fused_recurrent_kda", gate_in_kernel=True),
+}
+
+
+@dataclass(frozen=True)
 class FlaPeer:
-    fn: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]  # fused_recurrent_gated_delta_rule
+    fn: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]  # the FlaOp's function
     version: str
+    op: FlaOp
 
 
 def environment(device: torch.device) -> dict[str, object]:
@@ -399,10 +415,11 @@ def format_capacity_rows(rows: list[CapacityRow]) -> str:
 
 
 def fla_not_applicable(spec: Spec) -> str | None:
-    """Why FLA's Gated DeltaNet decode cannot stand in for this spec's recurrence (None when it can)."""
+    """Why no FLA decode (Gated DeltaNet's, or KDA's for a decay per key channel) can stand in for this spec's
+    recurrence (None when one can)."""
     if spec.update.kind is not UpdateKind.DELTA:
         return f"update kind {spec.update.kind.value}"
-    if spec.decay.granularity is not DecayGranularity.HEAD or spec.decay.form is not DecayForm.NEG_EXP_SOFTPLUS:
+    if spec.decay.form is not DecayForm.NEG_EXP_SOFTPLUS:
         return f"decay per {spec.decay.granularity.value} ({spec.decay.form.value})"
     if spec.update.weight is not UpdateWeight.SIGMOID:
         return f"update weight {spec.update.weight.value}"
@@ -410,19 +427,21 @@ def fla_not_applicable(spec: Spec) -> str | None:
 
 
 def find_fla(spec: Spec) -> FlaPeer | str:
-    """FLA's `fused_recurrent_gated_delta_rule`, or why there is no FLA column: "absent",
-    "not applicable: ..." or "import failed: ..." (a broken install must not stop the bench)."""
+    """FLA's decode for this spec (FLA_OPS: `fused_recurrent_gated_delta_rule`, or `fused_recurrent_kda` for a decay
+    per key channel), or why there is no FLA column: "absent", "not applicable: ..." or "import failed: ..." (a
+    broken install must not stop the bench)."""
     reason = fla_not_applicable(spec)
     if reason is not None:
         return f"not applicable: {reason}"
+    op = FLA_OPS[spec.decay.granularity]
     try:
         fla = importlib.import_module("fla")
-        fn = importlib.import_module(FLA_MODULE).fused_recurrent_gated_delta_rule
+        fn = getattr(importlib.import_module(op.module), op.function)
     except Exception as exc:
         if isinstance(exc, ModuleNotFoundError) and exc.name == "fla":
             return "absent"
         return f"import failed: {type(exc).__name__}: {exc}"
-    return FlaPeer(fn, str(getattr(fla, "__version__", "unknown")))
+    return FlaPeer(fn, str(getattr(fla, "__version__", "unknown")), op)
 
 
 def swap_state_layout(shape: TargetShape, states: torch.Tensor) -> torch.Tensor:
@@ -430,15 +449,22 @@ def swap_state_layout(shape: TargetShape, states: torch.Tensor) -> torch.Tensor:
     return states.transpose(-1, -2) if shape.layout is StateLayout.VALUE_KEY else states
 
 
-def fla_inputs(spec: Spec, inputs: dict[str, torch.Tensor | None], weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One decode step's inputs for FLA: q, k [B, 1, H, K] and v [B, 1, HV, V] (views, activation dtype);
-    g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b), [B, 1, HV] float32, from the same pre-activations."""
-    d, u = spec.decay, spec.update
+def fla_inputs(spec: Spec, op: FlaOp, inputs: dict[str, torch.Tensor | None], weights: dict[str, torch.Tensor]) -> dict[str, object]:
+    """One decode step's inputs for FLA's `op`: q, k [B, 1, H, K] and v [B, 1, HV, V] (views, activation dtype), and
+    the decay and beta from the same pre-activations: g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b),
+    [B, 1, HV] float32; or, where the op computes them in its kernel (`gate_in_kernel`), the raw a [B, 1, HV, K] and
+    b [B, 1, HV] with A_log [HV] and dt_bias [HV, K]."""
+    d, u, s = spec.decay, spec.update, spec.inputs
+    qkv = {"q": inputs[s.query][:, None], "k": inputs[s.key][:, None], "v": inputs[s.value][:, None]}
+    if op.gate_in_kernel:
+        return qkv | {
+            "g": inputs[d.input][:, None], "beta": inputs[u.weight_input][:, None], "A_log": weights[d.rate].float(),
+            "dt_bias": weights[d.bias].float() if d.bias else None, "use_gate_in_kernel": True, "use_beta_sigmoid_in_kernel": True,
+        }
     pre = inputs[d.input].float() + (weights[d.bias] if d.bias else 0.0)
     g = -torch.exp(weights[d.rate].float()) * F.softplus(pre)
     beta = torch.sigmoid(inputs[u.weight_input].float())
-    s = spec.inputs
-    return {"q": inputs[s.query][:, None], "k": inputs[s.key][:, None], "v": inputs[s.value][:, None], "g": g[:, None], "beta": beta[:, None]}
+    return qkv | {"g": g[:, None], "beta": beta[:, None]}
 
 
 class FlaWorkload:
@@ -451,7 +477,7 @@ class FlaWorkload:
         self.fn = peer.fn
         self.scale = work.shape.key_dim**-0.5 if spec.query.scale is QueryScale.INV_SQRT_KEY_DIM else 1.0
         self.l2norm = spec.key.transform is VectorTransform.L2NORM
-        self.args = [fla_inputs(spec, inputs, work.weights) for inputs in work.inputs]
+        self.args = [fla_inputs(spec, peer.op, inputs, work.weights) for inputs in work.inputs]
         self.states = [swap_state_layout(work.shape, state).contiguous() for state in work.baseline]
 
     def step(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

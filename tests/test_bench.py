@@ -13,7 +13,7 @@ from replaygen.configs import KernelKind, bucket_config, default_configs, module
 from replaygen.errors import ReplaygenError
 from replaygen.measure import Timing
 from replaygen.spec import load_spec
-from replaygen.spec.model import DType
+from replaygen.spec.model import DType, StateLayout
 from replaygen.traffic import baseline_decode_bytes, replay_decode_bytes
 
 from conftest import ROOT, SMALL
@@ -138,8 +138,16 @@ def test_plots_need_an_output_folder(mamba2):
 
 
 def fake_fla_module(monkeypatch, l2norm=True):
-    """A stand-in `fla` package whose fused_recurrent_gated_delta_rule runs the recurrence in torch with FLA's API:
-    q, k [B, T, H, K], v [B, T, HV, V], g, beta [B, T, HV], initial_state [N, HV, K, V]; returns o [B, T, HV, V], ht."""
+    """A stand-in `fla` package whose fused_recurrent_gated_delta_rule and fused_recurrent_kda run the recurrence in torch
+    with FLA's API: q, k [B, T, H, K], v [B, T, HV, V], g [B, T, HV] (KDA: [B, T, HV, K]), beta [B, T, HV],
+    initial_state [N, HV, K, V]; returns o [B, T, HV, V], ht."""
+
+    def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None, output_final_state=False,
+                            use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False):
+        """KDA with the gate in the kernel: g [B, T, HV, K] raw, log decay -exp(A_log) softplus(g + dt_bias) per channel."""
+        assert use_gate_in_kernel and use_beta_sigmoid_in_kernel and g.shape == v.shape[:3] + k.shape[-1:]
+        log_decay = -torch.exp(A_log.float())[:, None] * torch.nn.functional.softplus(g.float() + dt_bias.float())
+        return fused_recurrent_gated_delta_rule(q, k, v, log_decay, torch.sigmoid(beta.float()), scale, initial_state, output_final_state, use_qk_l2norm_in_kernel)
 
     def fused_recurrent_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False):
         batch, tokens, heads, key_dim = k.shape
@@ -152,17 +160,19 @@ def fake_fla_module(monkeypatch, l2norm=True):
             qt, kt = (x[:, t].float().repeat_interleave(ratio, dim=1) for x in (q, k))
             if use_qk_l2norm_in_kernel and l2norm:
                 qt, kt = (x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (qt, kt))
-            state = state * torch.exp(g[:, t].float())[..., None, None]
+            decay = torch.exp(g[:, t].float())
+            state = state * (decay[..., None] if decay.ndim == 3 else decay[..., None, None])
             u = beta[:, t, :, None] * (v[:, t].float() - torch.einsum("nhkv,nhk->nhv", state, kt))
             state = state + kt[..., None] * u[..., None, :]
             outputs.append(torch.einsum("nhkv,nhk->nhv", state, qt * scale))
         return torch.stack(outputs, 1).to(v.dtype), state if output_final_state else None
 
-    root, ops, gdr = (types.ModuleType(name) for name in ("fla", "fla.ops", "fla.ops.gated_delta_rule"))
+    root, ops, gdr, kda = (types.ModuleType(name) for name in ("fla", "fla.ops", "fla.ops.gated_delta_rule", "fla.ops.kda"))
     root.__version__ = "0.0-fake"
-    root.ops, ops.gated_delta_rule = ops, gdr
+    root.ops, ops.gated_delta_rule, ops.kda = ops, gdr, kda
     gdr.fused_recurrent_gated_delta_rule = fused_recurrent_gated_delta_rule
-    for module in (root, ops, gdr):
+    kda.fused_recurrent_kda = fused_recurrent_kda
+    for module in (root, ops, gdr, kda):
         monkeypatch.setitem(sys.modules, module.__name__, module)
 
 
@@ -206,6 +216,20 @@ def test_fla_column_matches_and_is_timed(gdn, monkeypatch, capsys, tmp_path, fak
         assert r["bytes_per_step"] == baseline_decode_bytes(gdn, SMALL, DType.FLOAT32).total * r["batch"]
         assert r["speedup"] == 1.0 / 0.8 and r["flush_at"] == 1 and r["config"] == {}
     assert "fla" in capsys.readouterr().out
+
+
+def test_fla_kda_column_matches_in_both_layouts(monkeypatch, tmp_path, fake_gpu):
+    """A decay per key channel is compared with FLA's fused_recurrent_kda (gate and beta computed in its kernel)."""
+    fake_fla_module(monkeypatch)
+    kda = load_spec(ROOT / "specs" / "kda.yaml")
+    monkeypatch.setattr(bench, "bench_decode", fake_decode_rows)
+    assert bench.find_fla(kda).op.function == "fused_recurrent_kda"
+    for layout in ("value_key", "key_value"):
+        shape = replace(SMALL, name=f"small-{layout}", layout=StateLayout(layout))
+        result = bench.run(kda, (shape,), [2], torch.float32, tmp_path, sweep=False, windows=[], device=CPU)
+        fla = result["fla"]
+        assert all(c["ok"] and c["output_rel_error"] < 1e-5 and c["state_rel_error"] < 1e-5 for c in fla["checks"]), fla
+        assert [r["batch"] for r in result["decode"] if r["kernel"] == "fla"] == [2]
 
 
 def test_fla_mismatch_is_not_timed(gdn, monkeypatch, capsys, fake_gpu):
