@@ -44,7 +44,8 @@ def measure_drift(
     seed: int = 0,
 ) -> list[DriftPoint]:
     """Replay and baseline decode of `module` from the same random states over `steps` steps of the same random
-    inputs (no gate), against the float64 recurrence on those inputs; a DriftPoint at each step count in `report_at`."""
+    inputs (no gate), against the float64 recurrence on those inputs (on the same device); a DriftPoint at each step
+    count in `report_at`."""
     factory = InputFactory(spec, shape, device, act_dtype, seed)
     weights = factory.weights()
     slots = torch.arange(batch, dtype=torch.int32, device=device)
@@ -52,7 +53,7 @@ def measure_drift(
     replay = module.allocate(batch, device, act_dtype)
     baseline = module.allocate_baseline(batch, device)
     rounding = baseline_rounding(module, batch, device, seed)
-    reference = Reference(spec, shape, batch)
+    reference = Reference(spec, shape, batch, device)
     start = factory.full_states(module, batch)
     module.load(replay, slots, start)
     baseline[rows] = start
@@ -75,6 +76,5 @@ def measure_drift(
 
 def _worst_row_head(out: torch.Tensor, ref: torch.Tensor) -> float:
     """The largest relative error of one (row, head) output vector [V] of `out` [batch, H, V] against `ref`."""
-    out = out.detach().to("cpu", torch.float64)
-    ref = ref.to(torch.float64)
+    out = out.detach().to(ref.device, torch.float64)
     return float(((out - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)).max())

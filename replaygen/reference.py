@@ -63,19 +63,21 @@ class Carried:
 
 
 class Reference:
-    """The recurrence of `spec` at `shape` over `num_slots` slots, in float64 on the CPU."""
+    """The recurrence of `spec` at `shape` over `num_slots` slots, in float64 on `device` (the CPU unless given: a
+    GPU runs long drift runs at full layer sizes)."""
 
-    def __init__(self, spec: Spec, shape: TargetShape, num_slots: int):
+    def __init__(self, spec: Spec, shape: TargetShape, num_slots: int, device: str | torch.device = "cpu"):
         shape = spec.resolve(shape)
         self.spec = spec
         self.shape = shape
+        self.device = torch.device(device)
         n, h = num_slots, shape.heads
         trapezoid = spec.update.kind is UpdateKind.TRAPEZOID
         self.carried = Carried(
-            state=torch.zeros((n, h, shape.value_dim, shape.key_dim), dtype=F64),
-            angle=torch.zeros((n, h, spec.rotary.angles(shape.key_dim)), dtype=F64) if spec.rotary else None,
-            last_value=torch.zeros((n, h, shape.value_dim), dtype=F64) if trapezoid else None,
-            last_key=torch.zeros((n, h, shape.rank, shape.key_dim), dtype=F64) if trapezoid else None,
+            state=torch.zeros((n, h, shape.value_dim, shape.key_dim), dtype=F64, device=self.device),
+            angle=torch.zeros((n, h, spec.rotary.angles(shape.key_dim)), dtype=F64, device=self.device) if spec.rotary else None,
+            last_value=torch.zeros((n, h, shape.value_dim), dtype=F64, device=self.device) if trapezoid else None,
+            last_key=torch.zeros((n, h, shape.rank, shape.key_dim), dtype=F64, device=self.device) if trapezoid else None,
         )
 
     @property
@@ -90,13 +92,13 @@ class Reference:
 
     def from_layout(self, states: torch.Tensor) -> torch.Tensor:
         """States in the spec's storage layout -> [n, H, V, K] float64."""
-        states = states.detach().to("cpu", F64)
+        states = states.detach().to(self.device, F64)
         return states if self.shape.layout is StateLayout.VALUE_KEY else states.transpose(-1, -2)
 
     def load(self, slots: list[int], states: torch.Tensor, **carried: torch.Tensor) -> None:
         """Set the states of `slots` from `states` [n, *state layout] and, for a spec that carries more, from
         `carried` (angle [n, H, A], last_value [n, H, V], last_key [n, H, R, K])."""
-        given = Carried(self.from_layout(states), **{name: t.detach().to("cpu", F64) for name, t in carried.items()})
+        given = Carried(self.from_layout(states), **{name: t.detach().to(self.device, F64) for name, t in carried.items()})
         missing = [name for name, mine, theirs in zip(("angle", "last_value", "last_key"), self.carried.tensors()[1:], given.tensors()[1:]) if (mine is None) != (theirs is None)]
         if missing:
             raise ValueError(f"the carried {', '.join(missing)} must be given exactly where the spec carries them")
@@ -108,12 +110,12 @@ class Reference:
     def decode(self, slots: list[int], inputs: Mapping[str, torch.Tensor | None], weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Advance each non-padding slot by one token; returns outputs [batch, H, V] (NaN rows for padding)."""
         rows = [r for r, s in enumerate(slots) if s >= 0]
-        out = torch.full((len(slots), self.shape.heads, self.shape.value_dim), float("nan"), dtype=F64)
+        out = torch.full((len(slots), self.shape.heads, self.shape.value_dim), float("nan"), dtype=F64, device=self.device)
         if not rows:
             return out
-        index = torch.tensor([slots[r] for r in rows])
-        picked = {name: (None if t is None else t.detach().to("cpu", F64)[rows]) for name, t in inputs.items()}
-        w64 = {name: t.detach().to("cpu", F64) for name, t in weights.items()}
+        index = torch.tensor([slots[r] for r in rows], device=self.device)
+        picked = {name: (None if t is None else t.detach().to(self.device, F64)[rows]) for name, t in inputs.items()}
+        w64 = {name: t.detach().to(self.device, F64) for name, t in weights.items()}
         after, y = self.step(self.carried.rows(index), picked, w64)
         self.carried.set_rows(index, after)
         out[rows] = y
@@ -126,17 +128,17 @@ class Reference:
         """
         value = inputs[self.spec.inputs.value]
         batch, tokens = value.shape[:2]
-        out = torch.full((batch, tokens, self.shape.heads, self.shape.value_dim), float("nan"), dtype=F64)
+        out = torch.full((batch, tokens, self.shape.heads, self.shape.value_dim), float("nan"), dtype=F64, device=self.device)
         rows = [r for r, s in enumerate(slots) if s >= 0]
         self._window = {}
         if not rows:
             return out
-        index = torch.tensor([slots[r] for r in rows])
-        w64 = {name: t.detach().to("cpu", F64) for name, t in weights.items()}
+        index = torch.tensor([slots[r] for r in rows], device=self.device)
+        w64 = {name: t.detach().to(self.device, F64) for name, t in weights.items()}
         carried = self.carried.rows(index)
         after = []
         for t in range(tokens):
-            picked = {name: (None if x is None else x.detach().to("cpu", F64)[rows, t]) for name, x in inputs.items()}
+            picked = {name: (None if x is None else x.detach().to(self.device, F64)[rows, t]) for name, x in inputs.items()}
             carried, y = self.step(carried, picked, w64)
             out[rows, t] = y
             after.append(carried)
@@ -218,7 +220,7 @@ class Reference:
                 return x[u.weight_direct_input]
             return torch.sigmoid(x[u.weight_input])
         n = x[self.spec.inputs.value].shape[0]
-        return torch.ones((n, self.shape.heads), dtype=F64)
+        return torch.ones((n, self.shape.heads), dtype=F64, device=self.device)
 
     def _advance_angle(self, angle: torch.Tensor | None, x: Mapping[str, torch.Tensor | None], dt: torch.Tensor | None) -> torch.Tensor | None:
         """The rotary angles [n, H, A] after this step: the previous ones plus pi * tanh(angle input) * dt', mod 2 pi."""
