@@ -6,6 +6,7 @@ state-spaces' semantics end to end; the language's features apart from Mamba-3; 
 
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 from replaygen.configs import BucketConfig, KernelConfig, KernelKind
 from replaygen.harness import InputFactory, check_decode, check_speculative, check_speculative_through_flushes, load_reference, relative_error, state_errors
 from replaygen.reference import Reference
-from replaygen.runtime import load_kernels
+from replaygen.runtime import import_source, load_kernels
 from replaygen.spec import load_spec, load_spec_text
 from replaygen.spec.model import DecayForm, DType, RotaryPairing, Rounding, StateLayout, TargetShape, UpdateKind, VectorTransform
 
@@ -354,6 +355,31 @@ class TestBadInput:
         current = torch.zeros(2, dtype=torch.int32, device=DEVICE)
         with pytest.raises(TypeError, match=r"snapshots must be SlotStates \[slots, T\] from allocate_snapshots"):
             siso.baseline_verify(torch.zeros((2, 2, *siso.STATE_SHAPE), device=DEVICE), current, slots, **factory.window(1, 2), **weights)
+
+    def test_a_copy_of_the_module_takes_its_slot_states(self, siso):
+        """SlotStates are a class of each module: a copy of it (a reload, a vendored file; the tuner's candidates)
+        takes the original's baseline states, snapshots and full states as its own, bit for bit the original's results."""
+        copy = import_source(Path(siso.__file__).read_text() + "\n# a vendored copy\n", "copy")
+        assert copy.SlotStates is not siso.SlotStates
+        factory = InputFactory(MAMBA3, SISO, DEVICE, torch.float32, 0)
+        weights, step, window = factory.weights(), factory.step(2), factory.window(2, 2)
+        slots = torch.tensor([1, 0], dtype=torch.int32, device=DEVICE)
+        start = factory.full_states(siso, 2)
+        outputs = []
+        for module in (siso, copy):
+            baseline = siso.allocate_baseline(2, DEVICE)
+            baseline[[0, 1]] = start
+            snapshots, current = siso.allocate_snapshots(2, DEVICE, 2)
+            snapshots.state[:, 0] = start.state
+            replay = siso.allocate(2, DEVICE, torch.float32)
+            module.load(replay, slots, start)
+            outputs.append((
+                module.baseline_decode(baseline, slots, **step, **weights),
+                module.baseline_verify(snapshots, current, slots, **window, **weights),
+                module.materialize(replay, slots).state,
+            ))
+        for ours, theirs in zip(*outputs):
+            assert torch.equal(ours, theirs)
 
     def test_carried_shapes_and_dtypes(self, siso):
         state = siso.allocate(2, DEVICE, torch.float32)
