@@ -265,7 +265,8 @@ def default_configs(kind: KernelKind, shape: TargetShape, traits: SpecTraits = S
     which and why:
     - replay decode: up to batch 8, 32 value rows, 4 warps, the flush fused into the decode kernel, flush every L
       steps; above, for the delta rule where key tiles run, the key-tiled state route (`key_tiled_state_route`);
-      otherwise one warp per 32 value rows, the ring read only where live, precomputed scores overlapped with the
+      for a decay per key channel the whole-key state route (`whole_key_state_route`); otherwise one warp per 32
+      value rows, the ring read only where live, precomputed scores overlapped with the
       decode kernel, the state streamed evict-first, every row's flush on the same steps (align_flushes, where the
       scores kernel runs) in two groups of slots half a period apart.
     - replay verify: batch 1, the state route over 8 value rows and one warp, no scores launch; up to batch 8, one
@@ -282,7 +283,7 @@ def default_configs(kind: KernelKind, shape: TargetShape, traits: SpecTraits = S
         tiled = key_tiled_state_route(shape, traits) if traits.delta_rule else None
         return (
             BucketConfig(8, KernelConfig(block_v=min(32, cap), num_warps=min(4, max_state_warps(shape, min(32, cap))))),
-            BucketConfig(None, tiled or whole_key_output_only(shape, traits)),
+            BucketConfig(None, tiled or (whole_key_state_route(shape) if traits.channel_decay else whole_key_output_only(shape, traits))),
         )
     if kind is KernelKind.REPLAY_VERIFY:
         single = BucketConfig(1, KernelConfig(block_v=CURSOR_GRAIN, num_warps=1, route=Route.STATE_AND_OUTPUT, evict_state=True))
@@ -312,6 +313,15 @@ def whole_key_output_only(shape: TargetShape, traits: SpecTraits = SpecTraits())
     )
 
 
+def whole_key_state_route(shape: TargetShape) -> KernelConfig:
+    """Replay decode's buffering step on the whole key axis, the state route: 16 value rows over 4 warps, each step
+    folding the buffered entries into the state tile one at a time, the ring read only where live, the state streamed
+    evict-first. The default above batch 8 where the decay is per key channel: the output-only route's ring readouts
+    then weigh every key channel of every entry, two [ring, key] tiles beside the state tile (at Kimi Linear's
+    sizes 244-255 registers at every tile shape against 64 here, offline for sm_90: design.md, "Defaults")."""
+    return KernelConfig(block_v=16, num_warps=min(4, max_state_warps(shape, 16)), route=Route.STATE_AND_OUTPUT, prefetch_ring=False, evict_state=True)
+
+
 def key_tiled_state_route(shape: TargetShape, traits: SpecTraits = SpecTraits()) -> KernelConfig | None:
     """Replay decode's buffering step over key tiles on the state route (block_k): one warp per 64 value rows, key
     slices of half the key axis in a loop of three pipeline stages, each slice of the state formed by one
@@ -332,11 +342,12 @@ def key_tiled_state_route(shape: TargetShape, traits: SpecTraits = SpecTraits())
 def replay_decode_structures(shape: TargetShape, traits: SpecTraits = SpecTraits()) -> tuple[KernelConfig, ...]:
     """Replay decode's buffering kernel structures, each in a launch shape that won on the H200
     (design.md, "Key tiles"): the key-tiled state route, the key-tiled output-only route (two slices of half the key
-    axis, 64 value rows, two stages), and the whole-key output-only step. A search starts from each, at every batch
+    axis, 64 value rows, two stages), and the whole-key output-only step; where key tiles cannot run, the whole-key
+    output-only step and the whole-key state route. A search starts from each, at every batch
     size (a search over the knobs alone rarely finds a structure the default does not have)."""
     tiled = key_tiled_state_route(shape, traits)
     if tiled is None:
-        return (whole_key_output_only(shape, traits),)
+        return (whole_key_output_only(shape, traits), whole_key_state_route(shape))
     output_only = replace(tiled, route=Route.OUTPUT_ONLY, fold_dot=False, fold_precision=KNOB_DEFAULTS["fold_precision"], num_stages=2)
     return (tiled, output_only, whole_key_output_only(shape, traits))
 

@@ -828,9 +828,9 @@ def test_reference_checker_catches_a_wrong_kernel(mamba2):
     """A replay kernel that appends to the wrong ring position is recorded WRONG and never timed."""
     shape = replace(SHAPE, capacity=4, window=2)
     candidate = render_candidate(mamba2, shape, RD, KernelConfig(block_v=16, flush_at=4))
-    correct = "r_new = (start + count) % RING"
+    correct = "r_new = ((start + count).to(tl.uint32) % RING)"
     assert correct in candidate.source
-    broken = replace(candidate, source=candidate.source.replace(correct, "r_new = (start + count + 1) % RING"))
+    broken = replace(candidate, source=candidate.source.replace(correct, "r_new = ((start + count + 1).to(tl.uint32) % RING)"))
     timed = []
     evaluator = Evaluator(checker=ReferenceChecker(mamba2, shape, "cpu", torch.float32), timer=lambda m, c, b: timed.append(c) or TrialTiming(1.0, 1.0, 1.0, 3))
     outcome = evaluator.evaluate(broken, 4)
