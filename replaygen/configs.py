@@ -110,7 +110,7 @@ class KernelConfig:
     fold_chunk: int = _knob(4, REPLAY_KINDS | {KernelKind.MATERIALIZE}, "buffered entries loaded together per step of the fold loop")
     fold_dot: bool = _knob(False, REPLAY_KINDS, "fold the ring by one tensor-core product instead of the loop")
     fold_precision: str = _knob("tf32x3", REPLAY_KINDS, "the fold product's operands: tf32x3 (about fp32), tf32, or key_buffer (16-bit buffers' dtype; tf32x3 on float32 ones)")
-    block_k: int = _knob(0, DECODE, "0: the whole key axis in one tile; else key columns per pass of the program's key loop")
+    block_k: int = _knob(0, REPLAY_KINDS, "0: the whole key axis in one tile; else key columns per pass of the program's key loop")
     precompute_scores: bool = _knob(False, REPLAY_KINDS, "entry and window scores once per key head, in a small kernel first")
     fused_flush: bool = _knob(True, DECODE, "fold full buffers in the decode kernel, or in a second launch")
     readout_dot: bool = _knob(False, VERIFY, "read the state and ring at every window token by tensor-core products (tf32x3)")
@@ -217,8 +217,12 @@ def validate_config(kind: KernelKind, shape: TargetShape, config: KernelConfig) 
             raise UnsupportedShapeError(
                 f"{kind.value}: block_k={config.block_k} must be 0 (the whole key axis) or a power of two from {MIN_DOT} below key_dim={shape.key_dim} rounded up"
             )
-        if config.flush_at == 1:
+        if kind is KernelKind.REPLAY_DECODE and config.flush_at == 1:
             raise UnsupportedShapeError(f"{kind.value}: block_k runs buffering steps; flush_at=1 runs the baseline's step on the whole key axis (block_k=0)")
+        if kind is KernelKind.REPLAY_VERIFY and config.window_block_v:
+            raise UnsupportedShapeError(f"{kind.value}: block_k runs the verify in one launch; window_block_v (the split verify) runs the whole key axis")
+        if kind is KernelKind.REPLAY_VERIFY and config.route is Route.OUTPUT_ONLY and not config.precompute_scores:
+            raise UnsupportedShapeError(f"{kind.value}: the key-tiled output-only verify reads the entries' scores precomputed: block_k needs precompute_scores or the state_and_output route")
     if config.readout_dot and (config.block_v < MIN_DOT or not config.precompute_scores):
         raise UnsupportedShapeError(f"{kind.value}: readout_dot needs block_v >= {MIN_DOT} (tl.dot) and precompute_scores, got block_v={config.block_v}, precompute_scores={config.precompute_scores}")
     if config.overlap_scores and not config.precompute_scores:
@@ -350,6 +354,18 @@ def replay_decode_structures(shape: TargetShape, traits: SpecTraits = SpecTraits
         return (whole_key_output_only(shape, traits), whole_key_state_route(shape))
     output_only = replace(tiled, route=Route.OUTPUT_ONLY, fold_dot=False, fold_precision=KNOB_DEFAULTS["fold_precision"], num_stages=2)
     return (tiled, output_only, whole_key_output_only(shape, traits))
+
+
+def replay_verify_structures(shape: TargetShape, traits: SpecTraits = SpecTraits()) -> tuple[KernelConfig, ...]:
+    """Replay verify's key-tiled structures (block_k), which a search starts from beside the documented defaults: the
+    state route in the launch shape of the key-tiled decode's (`key_tiled_state_route`: the committed entries folded
+    into each state slice by one product, the window's scores computed in the kernel), and the output-only route on
+    precomputed scores overlapped with the verify kernel, two pipeline stages (a flush folds by the same product).
+    None where key tiles cannot run."""
+    tiled = key_tiled_state_route(shape, traits)
+    if tiled is None:
+        return ()
+    return (tiled, replace(tiled, route=Route.OUTPUT_ONLY, num_stages=2, precompute_scores=True, overlap_scores=True))
 
 
 def module_defaults(spec: Spec, shape: TargetShape) -> dict[KernelKind, tuple[BucketConfig, ...]]:

@@ -209,6 +209,7 @@ class ModulePlan:
     keys_per_head: bool = False  # transformed keys differ per head (a per-head bias or angle): the key ring has a row per head
     carried: tuple[CarriedField, ...] = ()  # what the recurrence carries beside the state (see carried_fields)
     shared_scores: bool = True  # the scores kernel is rendered: one key per key head and step (configs.shares_scores)
+    key_tiles: bool = False  # the key-tiled replay kernels (block_k) are rendered (configs.SpecTraits.key_tiles)
     rank: int = 1  # R: keys and queries per token (above 1: rows of rank tiles, the rank weights)
     block_rank: int = 1  # the rank tiles' rows: next_pow2(R)
 
@@ -318,6 +319,7 @@ def plan_module(
         keys_per_head=spec.keys_per_head,
         carried=carried_fields(spec, shape),
         shared_scores=shares_scores(spec, shape),
+        key_tiles=spec_traits(spec, shape).key_tiles,
         rank=shape.rank,
         block_rank=_next_pow2(shape.rank),
     )

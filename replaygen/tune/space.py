@@ -20,7 +20,7 @@ templates read (nothing else is invented):
     fold_dot          replay kernels: fold by one tensor-core product instead of the loop
     fold_precision    replay kernels with fold_dot: the product's operands in tf32x3, tf32, or the 16-bit buffers'
                       dtype (key_buffer)
-    block_k           replay_decode only, per-head decay only: 0 (the whole key axis in one tile) or the key columns per
+    block_k           replay kernels, per-head decay only: 0 (the whole key axis in one tile) or the key columns per
                       pass of a key loop, powers of two from max(16, next_pow2(key_dim) / 4) to half of it
     readout_dot       replay_verify only, per-head decay only: the window's readouts of the state and ring as
                       tensor-core products (tf32x3); needs precompute_scores and 16 value rows
@@ -42,8 +42,8 @@ templates read (nothing else is invented):
     early_commit      replay_verify only: the commit after the verify launches as a programmatic dependent of the
                       kernel before it, waiting for it first (compute capability 9.0)
 
-num_stages is 1, 2 or 3 for replay_decode (its key loop, block_k, is what Triton's pipeliner prefetches) and 1
-elsewhere: no other loop has loads the pipeliner could issue ahead (the fold's loads are unrolled by fold_chunk).
+num_stages is 1, 2 or 3 for the replay kernels (their key loop, block_k, is what Triton's pipeliner prefetches) and
+1 elsewhere: no other loop has loads the pipeliner could issue ahead (the fold's loads are unrolled by fold_chunk).
 
 Pruning rules, applied to a point before anything is rendered or compiled:
 
@@ -64,7 +64,7 @@ Pruning rules, applied to a point before anything is rendered or compiled:
     UNUSED_DOT     without fused_flush the decode kernel never folds (the flush launch uses the loop), so
                    fold_dot and prefetch_fold_keys stay off
     NO_KEY_LOOP    num_stages above 1 pipelines the key loop of block_k; without it there is no loop to pipeline
-    UNUSED_BY_KEY_TILES  the key-tiled decode reads its entries' ring positions from the cursor and issues no key
+    UNUSED_BY_KEY_TILES  the key-tiled kernels read their entries' ring positions from the cursor and issue no key
                    prefetch: prefetch_ring and prefetch_fold_keys keep their defaults (True, False)
 
 The kind's documented default (`configs.default_configs`, its bucket for this batch) is the
@@ -115,7 +115,7 @@ class PruneRule(enum.Enum):
     REFOLD = "the state-and-output route forms the state anyway: a separate flush would form it again"
     UNUSED_DOT = "without fused_flush the decode kernel never folds"
     NO_KEY_LOOP = "num_stages above 1 needs the key loop of block_k"
-    UNUSED_BY_KEY_TILES = "the key-tiled decode reads neither prefetch_ring nor prefetch_fold_keys"
+    UNUSED_BY_KEY_TILES = "the key-tiled kernels read neither prefetch_ring nor prefetch_fold_keys"
 
 
 @dataclass(frozen=True)
@@ -271,7 +271,7 @@ def derive_space(kind: KernelKind, shape: TargetShape, batch: int, traits: SpecT
     parameters = (
         Parameter("block_v", block_v, Scale.LOG2),
         Parameter("num_warps", NUM_WARPS, Scale.LOG2),
-        Parameter("num_stages", (1, 2, 3) if decode and key_tiles else (1,), Scale.LINEAR),
+        Parameter("num_stages", (1, 2, 3) if replay and key_tiles else (1,), Scale.LINEAR),
         Parameter("max_registers", MAX_REGISTERS if replay else (0,), Scale.CATEGORICAL),
         Parameter("route", tuple(r.value for r in Route) if replay else (Route.OUTPUT_ONLY.value,), Scale.CATEGORICAL),
         Parameter("flush_at", tuple(range(1, shape.capacity + 1)) if decode else (0, 1) if verify else (0,), Scale.LINEAR),
@@ -281,7 +281,7 @@ def derive_space(kind: KernelKind, shape: TargetShape, batch: int, traits: SpecT
         Parameter("fold_chunk", FOLD_CHUNKS if replay else (4,), Scale.LOG2),
         Parameter("fold_dot", both if replay and shape.rank == 1 else (False,), Scale.CATEGORICAL),
         Parameter("fold_precision", FOLD_PRECISIONS if replay and shape.rank == 1 else (FOLD_PRECISIONS[0],), Scale.CATEGORICAL),
-        Parameter("block_k", (0, *key_tiles) if decode else (0,), Scale.CATEGORICAL),
+        Parameter("block_k", (0, *key_tiles) if replay else (0,), Scale.CATEGORICAL),
         Parameter("readout_dot", both if kind is KernelKind.REPLAY_VERIFY and scores else (False,), Scale.CATEGORICAL),
         Parameter("evict_state", both, Scale.CATEGORICAL),
         Parameter("overlap_scores", both if replay and scores else (False,), Scale.CATEGORICAL),

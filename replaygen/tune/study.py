@@ -45,7 +45,7 @@ from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
 from replaygen.codegen import template_hash
-from replaygen.configs import BATCH_BUCKETS, KernelConfig, KernelKind, replay_decode_structures, spec_traits
+from replaygen.configs import BATCH_BUCKETS, KernelConfig, KernelKind, replay_decode_structures, replay_verify_structures, spec_traits
 from replaygen.errors import ReplaygenError
 from replaygen.spec.model import Spec, TargetShape
 from replaygen.traffic import state_bytes
@@ -312,13 +312,15 @@ class Tuner:
         of the best baseline decode recorded at this batch, or of the baseline's documented default where none is (a
         search of replay decode alone, from no records): a bucket where buffering does not pay keeps close to the
         baseline. Every kind: then the other buckets' documented defaults (a structure that wins at one batch size is
-        tried at every other).
+        tried at every other). Replay verify: its key-tiled structures (configs.replay_verify_structures) first.
         The flush_at=1 seeds fold one entry per loop step (fold_chunk=1): that loop runs only for entries a larger
         threshold left, and unrolled chunks would cost registers, so programs per multiprocessor, on every step.
         Two of them: the baseline's state eviction policy, then the other (evict-first saved the replay its cursor's
         round trip at batch 1-8 where the baseline did not need it)."""
         traits = spec_traits(task.spec, task.shape)
         defaults = tuple(default_config(task.kind, task.shape, batch, traits) for batch in BATCH_BUCKETS)
+        if task.kind is KernelKind.REPLAY_VERIFY:
+            return tuple(dict.fromkeys((*replay_verify_structures(task.shape, traits), *defaults)))
         if task.kind is not KernelKind.REPLAY_DECODE:
             return tuple(dict.fromkeys(defaults))
         structures = tuple(replace(config, flush_at=config.flush_at or task.shape.capacity) for config in replay_decode_structures(task.shape, traits))
