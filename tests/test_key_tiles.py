@@ -1,15 +1,17 @@
-"""Replay decode over key tiles (block_k) against the float64 reference, step by step: both routes, the fold product
-in each operand precision, precomputed scores with aligned flushes, the separate flush launch, several warps, odd
-sizes, a 16-bit state rounded stochastically, flush thresholds from the call; what it refuses."""
+"""Replay decode and replay verify over key tiles (block_k) against the float64 reference, step by step: both routes,
+the fold product in each operand precision, precomputed scores with aligned flushes, the separate flush launch,
+several warps, odd sizes, a 16-bit state rounded stochastically, flush thresholds from the call; the verify's window
+readouts per token or by one product, through random acceptance and every-draft-accepted flush cycles, with decode
+steps between windows; what they refuse."""
 
 from dataclasses import replace
 
 import pytest
 import torch
 
-from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route, key_tiled_state_route, replay_decode_structures, spec_traits
+from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route, key_tiled_state_route, replay_decode_structures, replay_verify_structures, spec_traits
 from replaygen.errors import UnsupportedShapeError
-from replaygen.harness import check_decode
+from replaygen.harness import check_decode, check_speculative, check_speculative_through_flushes
 from replaygen.runtime import load_kernels
 from replaygen.spec import load_spec
 from replaygen.spec.model import DType, Rounding, TargetShape
@@ -45,9 +47,13 @@ def tiled(spec, shape, config):
     return load_kernels(spec, shape, {KernelKind.REPLAY_DECODE: (BucketConfig(None, config),)})
 
 
-def assert_passes(report):
+def verify_tiled(spec, shape, config):
+    return load_kernels(spec, shape, {KernelKind.REPLAY_VERIFY: (BucketConfig(None, config),)})
+
+
+def assert_passes(report, kernel="replay_decode"):
     assert report.ok, "\n".join(report.lines())
-    assert {"replay_decode", "materialize"} <= set(report.worst)
+    assert {kernel, "materialize"} <= set(report.worst)
 
 
 @pytest.mark.parametrize("config, act", CONFIGS)
@@ -86,8 +92,12 @@ def test_key_tiles_refused_where_they_cannot_run(spec):
         tiled(spec, SHAPE, replace(OUTPUT_ONLY, fold_precision="tf32"))
     with pytest.raises(UnsupportedShapeError, match="fold_precision='fp8' must be one of tf32x3, tf32, key_buffer"):
         tiled(spec, SHAPE, replace(STATE_FOLD, fold_precision="fp8"))
-    with pytest.raises(UnsupportedShapeError, match="block_k applies to replay_decode only"):
-        load_kernels(spec, SHAPE, {KernelKind.REPLAY_VERIFY: (BucketConfig(None, KernelConfig(block_v=16, block_k=16)),)})
+    with pytest.raises(UnsupportedShapeError, match="block_k applies to replay_decode and replay_verify only"):
+        load_kernels(spec, SHAPE, {KernelKind.BASELINE_DECODE: (BucketConfig(None, KernelConfig(block_v=16, block_k=16)),)})
+    with pytest.raises(UnsupportedShapeError, match="key-tiled output-only verify reads the entries' scores precomputed"):
+        verify_tiled(spec, SHAPE, KernelConfig(block_v=16, block_k=16))
+    with pytest.raises(UnsupportedShapeError, match="window_block_v .* runs the whole key axis"):
+        verify_tiled(spec, SHAPE, replace(VERIFY_OUTPUT_ONLY, window_block_v=16))
 
 
 @pytest.mark.parametrize("other", ["kda", "mamba3"])
@@ -103,7 +113,9 @@ def test_key_tiles_need_what_a_slice_can_hold(other):
         tiled(spec, shape, OUTPUT_ONLY)
     assert key_tiled_state_route(shape, traits) is None
     assert all(not c.block_k for c in replay_decode_structures(shape, traits))
-    assert derive_space(KernelKind.REPLAY_DECODE, shape, 32, traits).parameter("block_k").choices == (0,)
+    assert replay_verify_structures(shape, traits) == ()
+    for kind in (KernelKind.REPLAY_DECODE, KernelKind.REPLAY_VERIFY):
+        assert derive_space(kind, shape, 32, traits).parameter("block_k").choices == (0,)
 
 
 def test_the_default_above_batch_8_is_the_key_tiled_state_route_for_the_delta_rule(spec):
@@ -118,3 +130,49 @@ def test_the_default_above_batch_8_is_the_key_tiled_state_route_for_the_delta_ru
     else:
         assert large.block_k == 0 and large.route is Route.OUTPUT_ONLY and large.precompute_scores
     assert key_tiled_state_route(replace(SHAPE, key_dim=16)) is None  # slices of at least 16 need a key axis of 32
+
+
+# verify: capacity 8 and windows of 2, so a flush comes every few windows
+VERIFY_SHAPE = replace(SHAPE, capacity=8, window=2)
+VERIFY_OUTPUT_ONLY = KernelConfig(block_v=16, block_k=16, num_warps=1, num_stages=2, precompute_scores=True, overlap_scores=True)
+VERIFY_STATE = KernelConfig(block_v=16, block_k=16, num_warps=1, num_stages=3, route=Route.STATE_AND_OUTPUT, fold_dot=True)
+VERIFY_CONFIGS = [
+    pytest.param(VERIFY_OUTPUT_ONLY, id="output-only"),
+    pytest.param(replace(VERIFY_OUTPUT_ONLY, readout_dot=True, num_warps=2), id="output-only-readout-product-two-warps"),
+    pytest.param(replace(VERIFY_OUTPUT_ONLY, flush_at=1, fold_dot=True), id="output-only-fold-every-window"),
+    pytest.param(VERIFY_STATE, id="state-tf32x3-fold"),
+    pytest.param(replace(VERIFY_STATE, fold_dot=False, precompute_scores=True, readout_dot=True), id="state-loop-fold-scores-readout-product"),
+]
+
+
+@pytest.mark.parametrize("config", VERIFY_CONFIGS)
+def test_key_tiled_verify_matches_the_reference(spec, config):
+    """Every window's outputs, the committed states and the baseline beside them: random acceptance, then every draft
+    accepted until each row has flushed twice and wrapped its ring."""
+    for report in check_speculative_through_flushes(verify_tiled(spec, VERIFY_SHAPE, config), spec, VERIFY_SHAPE, random_steps=6, device=DEVICE, seed=31):
+        assert_passes(report, "replay_verify")
+
+
+@pytest.mark.parametrize("route", ["output_only", "state_and_output"])
+def test_key_tiled_verify_at_odd_sizes_between_decode_steps(spec, route):
+    """key_dim 20 (the second slice masked), 12 value rows, a window of 2 in a capacity of 5, every third step a
+    key-tiled decode on the same state."""
+    config = VERIFY_STATE if route == "state_and_output" else VERIFY_OUTPUT_ONLY
+    module = load_kernels(spec, ODD, {KernelKind.REPLAY_VERIFY: (BucketConfig(None, config),), KernelKind.REPLAY_DECODE: (BucketConfig(None, STATE_FOLD),)})
+    assert_passes(check_speculative(module, spec, ODD, device=DEVICE, mixed=True, steps=9, seed=32), "replay_verify")
+
+
+def test_key_tiled_verify_with_a_stochastically_rounded_bf16_state(spec):
+    shape = replace(VERIFY_SHAPE, state_dtype=DType.BFLOAT16, rounding=Rounding.STOCHASTIC)
+    for report in check_speculative_through_flushes(verify_tiled(spec, shape, VERIFY_STATE), spec, shape, random_steps=4, device=DEVICE, act_dtype=torch.bfloat16, use_gate=False, seed=33):
+        assert_passes(report, "replay_verify")
+
+
+def test_verify_searches_start_from_the_key_tiled_structures(spec):
+    """Both structures are valid points of the verify space at the shipped shapes, never pruned."""
+    shape = spec.shapes[0]
+    traits = spec_traits(spec, shape)
+    structures = replay_verify_structures(shape, traits)
+    assert [(c.route, c.block_k, c.precompute_scores) for c in structures] == [(Route.STATE_AND_OUTPUT, 64, False), (Route.OUTPUT_ONLY, 64, True)]
+    space = derive_space(KernelKind.REPLAY_VERIFY, shape, 256, traits)
+    assert all(space.contains(c) and space.prune_reason(c) is None for c in structures)

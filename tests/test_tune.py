@@ -18,7 +18,7 @@ import torch
 from replaygen import measure
 from replaygen.build import build_spec
 from replaygen.cli import main
-from replaygen.configs import BATCH_BUCKETS, BucketConfig, KernelConfig, KernelKind, Route, SpecTraits, bucket_range, bucket_variants, module_defaults, replay_decode_structures, spec_traits
+from replaygen.configs import BATCH_BUCKETS, BucketConfig, KernelConfig, KernelKind, Route, SpecTraits, bucket_range, bucket_variants, module_defaults, replay_decode_structures, replay_verify_structures, spec_traits
 from replaygen.errors import TuningRecordError, UnsupportedShapeError
 from replaygen.measure import Timing
 from replaygen.offline import architecture
@@ -87,13 +87,14 @@ def test_space_of_the_main_shape(mamba2):
     baseline = derive_space(BD, shape, batch=8)
     assert [p.name for p in baseline.free] == ["block_v", "num_warps", "evict_state"]  # no loop, route, flush or register cap
     assert len(baseline.candidates()) == 30  # 32 points, block_v=64 on one warp spills
-    verify = {"block_v", "num_warps", "max_registers", "route", "flush_at", "prefetch_ring", "fold_chunk", "fold_dot", "fold_precision", "precompute_scores", "readout_dot",
-              "evict_state", "overlap_scores", "window_block_v", "window_warps", "early_launch", "prefetch_fold_keys", "early_commit"}
+    verify = {"block_v", "num_warps", "num_stages", "max_registers", "route", "flush_at", "prefetch_ring", "fold_chunk", "fold_dot", "fold_precision", "block_k",
+              "precompute_scores", "readout_dot", "evict_state", "overlap_scores", "window_block_v", "window_warps", "early_launch", "prefetch_fold_keys", "early_commit"}
     assert {p.name for p in derive_space(RV, shape, 8).free} == verify
     assert dict((p.name, p.choices) for p in derive_space(RV, shape, 8).parameters)["window_block_v"] == (0, 16, 32, 64)
     assert dict((p.name, p.choices) for p in derive_space(RV, shape, 8).parameters)["flush_at"] == (0, 1)  # the flush rule alone, or every step
-    assert {p.name for p in derive_space(RV, shape, 8, SpecTraits(channel_decay=True)).free} == verify - {"precompute_scores", "readout_dot", "overlap_scores", "window_block_v",
-                                                                                              "window_warps"}
+    assert dict((p.name, p.choices) for p in derive_space(RV, shape, 8).parameters)["block_k"] == (0, 32, 64)
+    assert {p.name for p in derive_space(RV, shape, 8, SpecTraits(channel_decay=True)).free} == verify - {"num_stages", "block_k", "precompute_scores", "readout_dot", "overlap_scores",
+                                                                                              "window_block_v", "window_warps"}
 
 
 def test_pruning_rules(mamba2):
@@ -844,8 +845,8 @@ def test_reference_checker_runs_verify_through_its_flushes(mamba2):
     shape = replace(SHAPE, capacity=28, window=4)
     candidate = render_candidate(mamba2, shape, RV, KernelConfig(block_v=16))
     store = "mask=m_s & flush, eviction_policy"
-    assert candidate.source.count(store) == 1
-    broken = replace(candidate, source=candidate.source.replace(store, "mask=m_s & flush & (b_s != b_s), eviction_policy"))
+    assert candidate.source.count(store) == 2 and candidate.source.index(store) < candidate.source.index("def _replay_verify_key_tiles_kernel(")
+    broken = replace(candidate, source=candidate.source.replace(store, "mask=m_s & flush & (b_s != b_s), eviction_policy", 1))  # the whole-key kernel's
     timed = []
     evaluator = Evaluator(checker=ReferenceChecker(mamba2, shape, "cpu", torch.float32), timer=lambda m, c, b: timed.append(c) or TrialTiming(1.0, 1.0, 1.0, 3))
     outcome = evaluator.evaluate(broken, 4)
@@ -989,17 +990,19 @@ def test_replay_search_starts_from_every_kernel_structure(mamba2, tmp_path, batc
 
 @pytest.mark.parametrize("batch", [1, 32])
 def test_every_search_also_starts_from_the_other_buckets_defaults(mamba2, tmp_path, batch):
-    """Replay verify at a batch size times its own bucket's documented default, then the other buckets' (the state
-    route of batch 1, the output-only step of batch 2-8, the large batches' step), before the sampler proposes
-    anything: a structure documented for one batch size is tried at every other."""
+    """Replay verify at a batch size times its own bucket's documented default, then its key-tiled structures, then
+    the other buckets' defaults (the state route of batch 1, the output-only step of batch 2-8, the large batches'
+    step), before the sampler proposes anything: a structure documented for one batch size is tried at every other."""
     shape = mamba2.shape("nemotron-h")
-    defaults = list(dict.fromkeys(default_config(RV, shape, b, spec_traits(mamba2, shape)) for b in BATCH_BUCKETS))
-    assert len(defaults) == 3
-    results, store, _ = run(mamba2, tmp_path, (RV,), (batch,), trials=4)
+    traits = spec_traits(mamba2, shape)
+    defaults = list(dict.fromkeys(default_config(RV, shape, b, traits) for b in BATCH_BUCKETS))
+    structures = replay_verify_structures(shape, traits)
+    assert len(defaults) == 3 and len(structures) == 2
+    results, store, _ = run(mamba2, tmp_path, (RV,), (batch,), trials=5)
     (verify,) = results
-    own = default_config(RV, shape, batch, spec_traits(mamba2, shape))
+    own = default_config(RV, shape, batch, traits)
     assert verify.default.config == own
-    assert [t.config for t in store.trials if t.key.kind is RV][:3] == [own, *(c for c in defaults if c != own)]
+    assert [t.config for t in store.trials if t.key.kind is RV][:5] == [own, *structures, *(c for c in defaults if c != own)]
 
 
 def as_earlier_code(trials):
