@@ -223,8 +223,12 @@ def validate_config(kind: KernelKind, shape: TargetShape, config: KernelConfig) 
             raise UnsupportedShapeError(f"{kind.value}: block_k runs the verify in one launch; window_block_v (the split verify) runs the whole key axis")
         if kind is KernelKind.REPLAY_VERIFY and config.route is Route.OUTPUT_ONLY and not config.precompute_scores:
             raise UnsupportedShapeError(f"{kind.value}: the key-tiled output-only verify reads the entries' scores precomputed: block_k needs precompute_scores or the state_and_output route")
-    if config.readout_dot and (config.block_v < MIN_DOT or not config.precompute_scores):
-        raise UnsupportedShapeError(f"{kind.value}: readout_dot needs block_v >= {MIN_DOT} (tl.dot) and precompute_scores, got block_v={config.block_v}, precompute_scores={config.precompute_scores}")
+    reads_ring_scores = not (config.block_k and config.route is Route.STATE_AND_OUTPUT)  # the key-tiled state route reads none
+    if config.readout_dot and (config.block_v < MIN_DOT or (reads_ring_scores and not config.precompute_scores)):
+        raise UnsupportedShapeError(
+            f"{kind.value}: readout_dot needs block_v >= {MIN_DOT} (tl.dot) and, except on the key-tiled state route, precompute_scores,"
+            f" got block_v={config.block_v}, precompute_scores={config.precompute_scores}"
+        )
     if config.overlap_scores and not config.precompute_scores:
         raise UnsupportedShapeError(f"{kind.value}: overlap_scores overlaps the scores kernel, so it needs precompute_scores")
     if config.align_flushes and (not config.precompute_scores or not config.fused_flush):

@@ -140,7 +140,7 @@ VERIFY_CONFIGS = [
     pytest.param(VERIFY_OUTPUT_ONLY, id="output-only"),
     pytest.param(replace(VERIFY_OUTPUT_ONLY, readout_dot=True, num_warps=2), id="output-only-readout-product-two-warps"),
     pytest.param(replace(VERIFY_OUTPUT_ONLY, flush_at=1, fold_dot=True), id="output-only-fold-every-window"),
-    pytest.param(VERIFY_STATE, id="state-tf32x3-fold"),
+    pytest.param(replace(VERIFY_STATE, readout_dot=True), id="state-tf32x3-fold-readout-product"),
     pytest.param(replace(VERIFY_STATE, fold_dot=False, precompute_scores=True, readout_dot=True), id="state-loop-fold-scores-readout-product"),
 ]
 

@@ -23,7 +23,8 @@ templates read (nothing else is invented):
     block_k           replay kernels, per-head decay only: 0 (the whole key axis in one tile) or the key columns per
                       pass of a key loop, powers of two from max(16, next_pow2(key_dim) / 4) to half of it
     readout_dot       replay_verify only, per-head decay only: the window's readouts of the state and ring as
-                      tensor-core products (tf32x3); needs precompute_scores and 16 value rows
+                      tensor-core products (tf32x3); needs 16 value rows and, except on the key-tiled state route,
+                      precompute_scores
     evict_state       every tuned kernel: the state's loads and stores evict-first in L2 (the state streams; the
                       cursors, rings and inputs stay cached), or the default policy
     overlap_scores    replay kernels, per-head decay only: launched as a programmatic dependent of the scores
