@@ -29,7 +29,7 @@ from replaygen.tune.apply import Mismatch, dispatch_table, resolve_configs, skip
 from replaygen.tune.objective import CheckResult, Evaluator, ReferenceChecker, TuneAborted, WorkloadTimer
 from replaygen.keys import render_candidate
 from replaygen.tune.records import RecordStore, TrialStatus, TrialTiming, latest_trials, read_records, record_path
-from replaygen.tune.report import format_summary, summary_rows
+from replaygen.tune.report import describe, format_summary, summary_rows
 from replaygen.tune.run import gpu_name_of
 from replaygen.tune.space import PruneRule, default_config, derive_space
 from replaygen.tune.study import Mode, Progress, Tuner, TuneSettings, distributions, encode_params, make_storage, plan_tasks, tune
@@ -755,6 +755,17 @@ def test_summary_speedups(mamba2, tmp_path):
     assert replay.vs_default == pytest.approx(results[1].default.value / results[1].best.value) and replay.vs_default >= 1
     text = format_summary([base, replay])
     assert "vs baseline" in text and f"{replay.vs_baseline:.3f}x" in text
+
+
+def test_a_trial_line_names_the_key_tiles_and_the_fold_operands(mamba2):
+    """The key-tiled structures differ from the whole-key kernels by block_k, num_stages and the fold's operands: a
+    progress line that drops them shows two different kernels as the same config."""
+    shape = mamba2.shape("nemotron-h-mtp")
+    state_route, output_only = replay_verify_structures(shape, spec_traits(mamba2, shape))
+    tiled = describe(state_route, RV)
+    assert f"bk={state_route.block_k}" in tiled and f"stages={state_route.num_stages}" in tiled
+    assert f"dot {state_route.fold_precision}" in tiled
+    assert "bk=" not in describe(replace(output_only, block_k=0), RV) and "stages=2" in describe(output_only, RV)
 
 
 # --- the evaluator -----------------------------------------------------------------------------

@@ -16,7 +16,8 @@ BASELINE_OF = {KernelKind.REPLAY_DECODE: KernelKind.BASELINE_DECODE, KernelKind.
 
 
 def describe(config: KernelConfig, kind: KernelKind) -> str:
-    text = f"bv={config.block_v} w={config.num_warps}"
+    text = f"bv={config.block_v}" + (f" bk={config.block_k}" if config.block_k else "") + f" w={config.num_warps}"
+    text += f" stages={config.num_stages}" if config.num_stages > 1 else ""
     if config.max_registers:
         text += f" maxreg={config.max_registers}"
     if config.evict_state:
@@ -34,7 +35,7 @@ def describe(config: KernelConfig, kind: KernelKind) -> str:
         text += " scores" if config.precompute_scores else ""
         text += " overlap" if config.overlap_scores else ""
         text += " readout-dot" if config.readout_dot else ""
-        text += f" chunk={config.fold_chunk}" + (" dot" if config.fold_dot else "") + ("" if config.prefetch_ring else " no-prefetch")
+        text += f" chunk={config.fold_chunk}" + (f" dot {config.fold_precision}" if config.fold_dot else "") + ("" if config.prefetch_ring else " no-prefetch")
     return text
 
 
