@@ -273,7 +273,7 @@ def default_configs(kind: KernelKind, shape: TargetShape, traits: SpecTraits = S
     which and why:
     - replay decode: up to batch 8, 32 value rows, 4 warps, the flush fused into the decode kernel, flush every L
       steps; above, for the delta rule where key tiles run, the key-tiled state route (`key_tiled_state_route`);
-      for a decay per key channel the whole-key state route (`whole_key_state_route`); otherwise one warp per 32
+      for a decay per key channel the baseline's step (`flush_every_step`); otherwise one warp per 32
       value rows, the ring read only where live, precomputed scores overlapped with the
       decode kernel, the state streamed evict-first, every row's flush on the same steps (align_flushes, where the
       scores kernel runs) in two groups of slots half a period apart.
@@ -291,7 +291,7 @@ def default_configs(kind: KernelKind, shape: TargetShape, traits: SpecTraits = S
         tiled = key_tiled_state_route(shape, traits) if traits.delta_rule else None
         return (
             BucketConfig(8, KernelConfig(block_v=min(32, cap), num_warps=min(4, max_state_warps(shape, min(32, cap))))),
-            BucketConfig(None, tiled or (whole_key_state_route(shape) if traits.channel_decay else whole_key_output_only(shape, traits))),
+            BucketConfig(None, tiled or (flush_every_step(shape) if traits.channel_decay else whole_key_output_only(shape, traits))),
         )
     if kind is KernelKind.REPLAY_VERIFY:
         single = BucketConfig(1, KernelConfig(block_v=CURSOR_GRAIN, num_warps=1, route=Route.STATE_AND_OUTPUT, evict_state=True))
@@ -324,10 +324,18 @@ def whole_key_output_only(shape: TargetShape, traits: SpecTraits = SpecTraits())
 def whole_key_state_route(shape: TargetShape) -> KernelConfig:
     """Replay decode's buffering step on the whole key axis, the state route: 16 value rows over 4 warps, each step
     folding the buffered entries into the state tile one at a time, the ring read only where live, the state streamed
-    evict-first. The default above batch 8 where the decay is per key channel: the output-only route's ring readouts
-    then weigh every key channel of every entry, two [ring, key] tiles beside the state tile (at Kimi Linear's
-    sizes 244-255 registers at every tile shape against 64 here, offline for sm_90: design.md, "Defaults")."""
+    evict-first. Where the decay is per key channel, the output-only route's ring readouts weigh every key channel of
+    every entry, two [ring, key] tiles beside the state tile: this route holds 64 registers against 244-255 at Kimi
+    Linear's sizes (offline for sm_90, design.md "Defaults"), and ran 2.1x faster on the H100 (perf.md 74)."""
     return KernelConfig(block_v=16, num_warps=min(4, max_state_warps(shape, 16)), route=Route.STATE_AND_OUTPUT, prefetch_ring=False, evict_state=True)
+
+
+def flush_every_step(shape: TargetShape) -> KernelConfig:
+    """Replay decode running the baseline's step (flush_at=1: the state read and written every step, the ring never
+    read): 16 value rows over 4 warps, evict-first. The default above batch 8 where the decay is per key channel: on
+    the H100 at Kimi Linear's sizes both buffering routes were slower than it at b32-512 (the state route at L=16 1.9x,
+    the output-only route 4x; perf.md 74)."""
+    return KernelConfig(block_v=16, num_warps=min(4, max_state_warps(shape, 16)), flush_at=1, fold_chunk=1, evict_state=True)
 
 
 def key_tiled_state_route(shape: TargetShape, traits: SpecTraits = SpecTraits()) -> KernelConfig | None:

@@ -33,6 +33,20 @@ def test_shipped_spec():
     assert 1.6 < speedup_bound(KDA, main, KDA.activations[0]) < 1.7  # the per-channel log decay costs ring bytes
 
 
+def test_the_default_above_batch_8_is_the_baseline_step():
+    """A decay per key channel makes both buffering routes slower than reading and writing the state every step at
+    Kimi Linear's sizes (H100, perf.md 74): above batch 8 the default flushes every step; a search still starts from
+    both buffering routes."""
+    from replaygen.configs import default_configs, replay_decode_structures, spec_traits
+
+    main = KDA.shape("kimi-linear")
+    traits = spec_traits(KDA, main)
+    small, large = default_configs(KernelKind.REPLAY_DECODE, main, traits)
+    assert small.config.flush_at == 0 and large.config.flush_at == 1 and large.config.block_k == 0
+    assert {c.route for c in replay_decode_structures(main, traits)} == {Route.OUTPUT_ONLY, Route.STATE_AND_OUTPUT}
+    assert all(c.flush_at != 1 for c in replay_decode_structures(main, traits))
+
+
 @pytest.fixture(scope="module", params=[StateLayout.VALUE_KEY, StateLayout.KEY_VALUE], ids=lambda layout: layout.value)
 def kernels(request):
     shape = replace(SHAPE, layout=request.param)
