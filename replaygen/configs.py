@@ -47,9 +47,10 @@ FLUSH_PROGRAMS_PER_SM = 4
 # Value rows per cursor copy; block_v must be a multiple (each program owns whole copies).
 CURSOR_GRAIN = 8
 
-# Operand precisions of the fold's tensor-core product (fold_precision): Triton's tf32x3 (three tf32 products, about
-# fp32) and tf32 (one), or both operands in the key buffer's dtype where the key and value buffers hold 16-bit values
-# (bf16 activations: the keys exactly, the weighted values rounded once more), tf32x3 where they hold float32 ones.
+# Operand precisions of the fold's tensor-core product (fold_precision) and of the verify's readout products
+# (readout_precision): Triton's tf32x3 (three tf32 products, about fp32) and tf32 (one), or both operands in the key
+# buffer's dtype where the key and value buffers hold 16-bit values (bf16 activations: the keys exactly, the weighted
+# values, or the state slice read, rounded once more), tf32x3 where they hold float32 ones.
 FOLD_PRECISIONS = ("tf32x3", "tf32", "key_buffer")
 
 # Kernel kinds whose programs load a state tile and store to the same state memory (the checkpoint, or a slot's
@@ -113,7 +114,8 @@ class KernelConfig:
     block_k: int = _knob(0, REPLAY_KINDS, "0: the whole key axis in one tile; else key columns per pass of the program's key loop")
     precompute_scores: bool = _knob(False, REPLAY_KINDS, "entry and window scores once per key head, in a small kernel first")
     fused_flush: bool = _knob(True, DECODE, "fold full buffers in the decode kernel, or in a second launch")
-    readout_dot: bool = _knob(False, VERIFY, "read the state and ring at every window token by tensor-core products (tf32x3)")
+    readout_dot: bool = _knob(False, VERIFY, "read the state and ring at every window token by tensor-core products")
+    readout_precision: str = _knob("tf32x3", VERIFY, "the readout products' operands (readout_dot): tf32x3 (about fp32), tf32, or key_buffer (16-bit buffers' dtype; tf32x3 on float32 ones); the outputs only, never the state")
     evict_state: bool = _knob(False, STATE_STREAMING_KINDS, "state loads and stores evict-first in L2")
     overlap_scores: bool = _knob(False, REPLAY_KINDS, "launched as a programmatic dependent of the scores kernel (sm90+)")
     align_flushes: bool = _knob(False, DECODE, "every row also flushes on every flush_at-th step of the layer's step clock")
@@ -212,6 +214,10 @@ def validate_config(kind: KernelKind, shape: TargetShape, config: KernelConfig) 
         raise UnsupportedShapeError(f"{kind.value}: fold_precision={config.fold_precision!r} must be one of {', '.join(FOLD_PRECISIONS)}")
     if config.fold_precision != KNOB_DEFAULTS["fold_precision"] and not config.fold_dot:
         raise UnsupportedShapeError(f"{kind.value}: fold_precision={config.fold_precision} sets the fold product's operands, so it needs fold_dot")
+    if config.readout_precision not in FOLD_PRECISIONS:
+        raise UnsupportedShapeError(f"{kind.value}: readout_precision={config.readout_precision!r} must be one of {', '.join(FOLD_PRECISIONS)}")
+    if config.readout_precision != KNOB_DEFAULTS["readout_precision"] and not config.readout_dot:
+        raise UnsupportedShapeError(f"{kind.value}: readout_precision={config.readout_precision} sets the readout products' operands, so it needs readout_dot")
     if config.block_k:
         if config.block_k < MIN_DOT or config.block_k & (config.block_k - 1) or config.block_k >= _next_pow2(shape.key_dim):
             raise UnsupportedShapeError(
@@ -371,13 +377,18 @@ def replay_decode_structures(shape: TargetShape, traits: SpecTraits = SpecTraits
 def replay_verify_structures(shape: TargetShape, traits: SpecTraits = SpecTraits()) -> tuple[KernelConfig, ...]:
     """Replay verify's key-tiled structures (block_k), which a search starts from beside the documented defaults: the
     state route in the launch shape of the key-tiled decode's (`key_tiled_state_route`: the committed entries folded
-    into each state slice by one product, the window's scores computed in the kernel), and the output-only route on
-    precomputed scores overlapped with the verify kernel, two pipeline stages (a flush folds by the same product).
-    None where key tiles cannot run."""
+    into each state slice by one product, the window's scores computed in the kernel); the same with every token's
+    readouts of each slice by one product in the 16-bit buffers' dtype (the vLLM ReplaySSM PR's verify reads its
+    state so); and the output-only route on precomputed scores overlapped with the verify kernel, two pipeline stages
+    (a flush folds by the same product). None where key tiles cannot run."""
     tiled = key_tiled_state_route(shape, traits)
     if tiled is None:
         return ()
-    return (tiled, replace(tiled, route=Route.OUTPUT_ONLY, num_stages=2, precompute_scores=True, overlap_scores=True))
+    return (
+        tiled,
+        replace(tiled, readout_dot=True, readout_precision="key_buffer"),
+        replace(tiled, route=Route.OUTPUT_ONLY, num_stages=2, precompute_scores=True, overlap_scores=True),
+    )
 
 
 def module_defaults(spec: Spec, shape: TargetShape) -> dict[KernelKind, tuple[BucketConfig, ...]]:

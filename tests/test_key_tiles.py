@@ -162,6 +162,19 @@ def test_key_tiled_verify_at_odd_sizes_between_decode_steps(spec, route):
     assert_passes(check_speculative(module, spec, ODD, device=DEVICE, mixed=True, steps=9, seed=32), "replay_verify")
 
 
+@pytest.mark.parametrize("config", [
+    pytest.param(replace(VERIFY_STATE, readout_dot=True, readout_precision="key_buffer"), id="key-tiled-state-route"),
+    pytest.param(KernelConfig(block_v=16, num_warps=1, precompute_scores=True, readout_dot=True, readout_precision="key_buffer"), id="whole-key-output-only"),
+])
+@pytest.mark.parametrize("act_dtype", [torch.float16, torch.float32], ids=["fp16-buffers", "fp32-buffers"])
+def test_verify_readouts_in_the_buffers_dtype(spec, config, act_dtype):
+    """readout_precision key_buffer: the readout products' operands rounded to 16-bit buffers' dtype (tf32x3 on float32
+    buffers); the outputs stay within the activation dtype's tolerance and the committed state is untouched by it.
+    (bf16 is left to the GPU: the interpreter's tl.dot on bf16 operands is wrong.)"""
+    for report in check_speculative_through_flushes(verify_tiled(spec, VERIFY_SHAPE, config), spec, VERIFY_SHAPE, random_steps=4, device=DEVICE, act_dtype=act_dtype, seed=34):
+        assert_passes(report, "replay_verify")
+
+
 def test_key_tiled_verify_with_a_stochastically_rounded_bf16_state(spec):
     shape = replace(VERIFY_SHAPE, state_dtype=DType.BFLOAT16, rounding=Rounding.STOCHASTIC)
     for report in check_speculative_through_flushes(verify_tiled(spec, shape, VERIFY_STATE), spec, shape, random_steps=4, device=DEVICE, act_dtype=torch.bfloat16, use_gate=False, seed=33):
@@ -169,10 +182,13 @@ def test_key_tiled_verify_with_a_stochastically_rounded_bf16_state(spec):
 
 
 def test_verify_searches_start_from_the_key_tiled_structures(spec):
-    """Both structures are valid points of the verify space at the shipped shapes, never pruned."""
+    """The structures are valid points of the verify space at the shipped shapes, never pruned."""
     shape = spec.shapes[0]
     traits = spec_traits(spec, shape)
     structures = replay_verify_structures(shape, traits)
-    assert [(c.route, c.block_k, c.precompute_scores) for c in structures] == [(Route.STATE_AND_OUTPUT, 64, False), (Route.OUTPUT_ONLY, 64, True)]
+    assert [(c.route, c.block_k, c.precompute_scores, c.readout_dot) for c in structures] == [
+        (Route.STATE_AND_OUTPUT, 64, False, False), (Route.STATE_AND_OUTPUT, 64, False, True), (Route.OUTPUT_ONLY, 64, True, False)
+    ]
+    assert structures[1].readout_precision == "key_buffer"
     space = derive_space(KernelKind.REPLAY_VERIFY, shape, 256, traits)
     assert all(space.contains(c) and space.prune_reason(c) is None for c in structures)

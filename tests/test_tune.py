@@ -64,6 +64,7 @@ def test_space_of_the_main_shape(mamba2):
         "fold_precision": ("tf32x3", "tf32", "key_buffer"),
         "block_k": (0, 32, 64),
         "readout_dot": (False,),
+        "readout_precision": ("tf32x3",),
         "evict_state": both,
         "overlap_scores": both,
         "align_flushes": both,
@@ -81,19 +82,20 @@ def test_space_of_the_main_shape(mamba2):
     )
     assert next(space.iter_candidates()) == space.default
     assert derive_space(RD, shape, batch=1).default == KernelConfig(block_v=32, num_warps=4, flush_at=16)
-    assert {p.name for p in derive_space(RD, shape, 128, SpecTraits(channel_decay=True)).free} == set(choices) - {"num_stages", "block_k", "precompute_scores", "readout_dot", "overlap_scores",
+    assert {p.name for p in derive_space(RD, shape, 128, SpecTraits(channel_decay=True)).free} == set(choices) - {"num_stages", "block_k", "precompute_scores", "readout_dot", "readout_precision", "overlap_scores",
                                                                                                     "align_flushes", "flush_groups", "window_block_v", "window_warps",
                                                                                                     "early_commit"}
     baseline = derive_space(BD, shape, batch=8)
     assert [p.name for p in baseline.free] == ["block_v", "num_warps", "evict_state"]  # no loop, route, flush or register cap
     assert len(baseline.candidates()) == 30  # 32 points, block_v=64 on one warp spills
     verify = {"block_v", "num_warps", "num_stages", "max_registers", "route", "flush_at", "prefetch_ring", "fold_chunk", "fold_dot", "fold_precision", "block_k",
-              "precompute_scores", "readout_dot", "evict_state", "overlap_scores", "window_block_v", "window_warps", "early_launch", "prefetch_fold_keys", "early_commit"}
+              "precompute_scores", "readout_dot", "readout_precision", "evict_state", "overlap_scores", "window_block_v", "window_warps", "early_launch", "prefetch_fold_keys",
+              "early_commit"}
     assert {p.name for p in derive_space(RV, shape, 8).free} == verify
     assert dict((p.name, p.choices) for p in derive_space(RV, shape, 8).parameters)["window_block_v"] == (0, 16, 32, 64)
     assert dict((p.name, p.choices) for p in derive_space(RV, shape, 8).parameters)["flush_at"] == (0, 1)  # the flush rule alone, or every step
     assert dict((p.name, p.choices) for p in derive_space(RV, shape, 8).parameters)["block_k"] == (0, 32, 64)
-    assert {p.name for p in derive_space(RV, shape, 8, SpecTraits(channel_decay=True)).free} == verify - {"num_stages", "block_k", "precompute_scores", "readout_dot", "overlap_scores",
+    assert {p.name for p in derive_space(RV, shape, 8, SpecTraits(channel_decay=True)).free} == verify - {"num_stages", "block_k", "precompute_scores", "readout_dot", "readout_precision", "overlap_scores",
                                                                                               "window_block_v", "window_warps"}
 
 
@@ -761,11 +763,12 @@ def test_a_trial_line_names_the_key_tiles_and_the_fold_operands(mamba2):
     """The key-tiled structures differ from the whole-key kernels by block_k, num_stages and the fold's operands: a
     progress line that drops them shows two different kernels as the same config."""
     shape = mamba2.shape("nemotron-h-mtp")
-    state_route, output_only = replay_verify_structures(shape, spec_traits(mamba2, shape))
+    state_route, readout_product, output_only = replay_verify_structures(shape, spec_traits(mamba2, shape))
     tiled = describe(state_route, RV)
     assert f"bk={state_route.block_k}" in tiled and f"stages={state_route.num_stages}" in tiled
     assert f"dot {state_route.fold_precision}" in tiled
     assert "bk=" not in describe(replace(output_only, block_k=0), RV) and "stages=2" in describe(output_only, RV)
+    assert "readout-dot key_buffer" in describe(readout_product, RV)
 
 
 # --- the evaluator -----------------------------------------------------------------------------
@@ -1008,12 +1011,12 @@ def test_every_search_also_starts_from_the_other_buckets_defaults(mamba2, tmp_pa
     traits = spec_traits(mamba2, shape)
     defaults = list(dict.fromkeys(default_config(RV, shape, b, traits) for b in BATCH_BUCKETS))
     structures = replay_verify_structures(shape, traits)
-    assert len(defaults) == 3 and len(structures) == 2
-    results, store, _ = run(mamba2, tmp_path, (RV,), (batch,), trials=5)
+    assert len(defaults) == 3 and len(structures) == 3
+    results, store, _ = run(mamba2, tmp_path, (RV,), (batch,), trials=6)
     (verify,) = results
     own = default_config(RV, shape, batch, traits)
     assert verify.default.config == own
-    assert [t.config for t in store.trials if t.key.kind is RV][:5] == [own, *structures, *(c for c in defaults if c != own)]
+    assert [t.config for t in store.trials if t.key.kind is RV][:6] == [own, *structures, *(c for c in defaults if c != own)]
 
 
 def as_earlier_code(trials):

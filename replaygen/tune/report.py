@@ -34,7 +34,7 @@ def describe(config: KernelConfig, kind: KernelKind) -> str:
     if kind in REPLAY_KINDS:
         text += " scores" if config.precompute_scores else ""
         text += " overlap" if config.overlap_scores else ""
-        text += " readout-dot" if config.readout_dot else ""
+        text += f" readout-dot {config.readout_precision}" if config.readout_dot else ""
         text += f" chunk={config.fold_chunk}" + (f" dot {config.fold_precision}" if config.fold_dot else "") + ("" if config.prefetch_ring else " no-prefetch")
     return text
 

@@ -23,8 +23,10 @@ templates read (nothing else is invented):
     block_k           replay kernels, per-head decay only: 0 (the whole key axis in one tile) or the key columns per
                       pass of a key loop, powers of two from max(16, next_pow2(key_dim) / 4) to half of it
     readout_dot       replay_verify only, per-head decay only: the window's readouts of the state and ring as
-                      tensor-core products (tf32x3); needs 16 value rows and, except on the key-tiled state route,
+                      tensor-core products; needs 16 value rows and, except on the key-tiled state route,
                       precompute_scores
+    readout_precision replay_verify with readout_dot: the readout products' operands in tf32x3, tf32, or the 16-bit
+                      buffers' dtype (key_buffer: the outputs rounded once more, the state never)
     evict_state       every tuned kernel: the state's loads and stores evict-first in L2 (the state streams; the
                       cursors, rings and inputs stay cached), or the default policy
     overlap_scores    replay kernels, per-head decay only: launched as a programmatic dependent of the scores
@@ -284,6 +286,7 @@ def derive_space(kind: KernelKind, shape: TargetShape, batch: int, traits: SpecT
         Parameter("fold_precision", FOLD_PRECISIONS if replay and shape.rank == 1 else (FOLD_PRECISIONS[0],), Scale.CATEGORICAL),
         Parameter("block_k", (0, *key_tiles) if replay else (0,), Scale.CATEGORICAL),
         Parameter("readout_dot", both if kind is KernelKind.REPLAY_VERIFY and scores else (False,), Scale.CATEGORICAL),
+        Parameter("readout_precision", FOLD_PRECISIONS if kind is KernelKind.REPLAY_VERIFY and scores else (FOLD_PRECISIONS[0],), Scale.CATEGORICAL),
         Parameter("evict_state", both, Scale.CATEGORICAL),
         Parameter("overlap_scores", both if replay and scores else (False,), Scale.CATEGORICAL),
         Parameter("align_flushes", both if decode and scores else (False,), Scale.CATEGORICAL),
