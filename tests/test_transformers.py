@@ -304,6 +304,15 @@ def test_spec_from_config_writes_a_spec_that_builds(tmp_path):
     assert not (tmp_path / "x.yaml").exists()
 
 
+def test_an_older_transformers_is_named(monkeypatch):
+    """transformers before 5.25 has no replacement points for the Mamba-2 conv and scan: attach says so instead of
+    finding no recurrent mixer."""
+    model = _model("mamba2")
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.17.0")  # the module a model's import left there
+    with pytest.raises(ReplaygenError, match=r"needs transformers >= 5.25 .* this Python has 5.17.0"):
+        attach(model, capacity=8, window=2)
+
+
 REAL_SIZES = {
     # Nemotron-H's Mamba-2 mixer (128 heads of 64, 8 groups, state 128) and one attention layer
     "nemotron_h": lambda: transformers.NemotronHForCausalLM(transformers.NemotronHConfig(

@@ -319,8 +319,27 @@ def spec_from_config(config, capacity: int = 16, window: int = 4) -> str:
     return spec_text_with_shapes(family.spec_name, mixer_conv(family, mixers[0][0]), shapes, header)
 
 
+# The oldest transformers whose modeling modules this integration knows (the Mamba-2 models' conv and scan
+# replacement points, causal_conv1d_forward and mamba2_scan_forward, and the delta-rule mixers' attributes).
+OLDEST_TRANSFORMERS = (5, 25)
+
+
+def check_transformers_version() -> None:
+    """Raise where the transformers this Python imports is older than OLDEST_TRANSFORMERS: its models' mixers would
+    otherwise be reported as not recurrent."""
+    import transformers
+
+    found = tuple(int(part) for part in transformers.__version__.split(".")[:2] if part.isdigit())
+    if found < OLDEST_TRANSFORMERS:
+        raise ReplaygenError(
+            f"replaygen.integrations.transformers needs transformers >= {'.'.join(map(str, OLDEST_TRANSFORMERS))} (its modeling modules'"
+            f" causal_conv1d_forward and mamba2_scan_forward, which replaygen replaces while it decodes); this Python has {transformers.__version__}"
+        )
+
+
 def recurrent_mixers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, "Mamba2Mixers | DeltaRuleMixers"]]:
     """Every recurrent mixer of `model` that a family here takes, in module order."""
+    check_transformers_version()
     found = []
     for module in model.modules():
         for family in FAMILIES:
