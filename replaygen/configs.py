@@ -332,7 +332,7 @@ def whole_key_state_route(shape: TargetShape) -> KernelConfig:
     folding the buffered entries into the state tile one at a time, the ring read only where live, the state streamed
     evict-first. Where the decay is per key channel, the output-only route's ring readouts weigh every key channel of
     every entry, two [ring, key] tiles beside the state tile: this route holds 64 registers against 244-255 at Kimi
-    Linear's sizes (offline for sm_90, design.md "Defaults"), and ran 2.1x faster on the H100 (perf.md 74)."""
+    Linear's sizes (offline for sm_90), and ran 2.1x faster on the H100 (design.md "Defaults")."""
     return KernelConfig(block_v=16, num_warps=min(4, max_state_warps(shape, 16)), route=Route.STATE_AND_OUTPUT, prefetch_ring=False, evict_state=True)
 
 
@@ -340,7 +340,7 @@ def flush_every_step(shape: TargetShape) -> KernelConfig:
     """Replay decode running the baseline's step (flush_at=1: the state read and written every step, the ring never
     read): 16 value rows over 4 warps, evict-first. The default above batch 8 where the decay is per key channel: on
     the H100 at Kimi Linear's sizes both buffering routes were slower than it at b32-512 (the state route at L=16 1.9x,
-    the output-only route 4x; perf.md 74)."""
+    the output-only route 4x; design.md "Defaults")."""
     return KernelConfig(block_v=16, num_warps=min(4, max_state_warps(shape, 16)), flush_at=1, fold_chunk=1, evict_state=True)
 
 
