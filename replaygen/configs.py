@@ -75,7 +75,7 @@ STATE_STREAMING_KINDS = frozenset(STATE_TILE_KINDS)
 class SpecTraits:
     """What a spec's recurrence allows one shape's kernel configs, derived from the spec once (`spec_traits`)."""
 
-    channel_decay: bool = False  # the decay is per key channel: no scores kernel, no key tiles
+    channel_decay: bool = False  # the decay is per key channel: no scores kernel, key tiles on the decode's state route only
     delta_rule: bool = False  # the delta rule: a verify window's triangular solve; corrected values cached at the buffers' precision
     shared_scores: bool = True  # one key per key head and step, no carried entry, rank 1 (`shares_scores`)
     whole_head_baseline: bool = False  # the baselines run one program per head (they rewrite a carried key and angle)
@@ -88,9 +88,15 @@ class SpecTraits:
 
     @property
     def key_tiles(self) -> bool:
-        """The key-tiled decode (block_k) applies: the scores' conditions, and key and query slices that are the raw
-        slices times one factor."""
-        return self.scores and self.one_factor_transforms
+        """The key-tiled decode's state route (block_k) applies: one key per key head and step with no carried entry
+        (shares_scores), and key and query slices that are the raw slices times one factor."""
+        return self.shared_scores and self.one_factor_transforms
+
+    @property
+    def every_key_tiled_kernel(self) -> bool:
+        """Key tiles on every route of replay decode and on replay verify: `key_tiles` with a per-head decay (their
+        readouts of the entries weigh one decay per entry, the verify's each window token's too)."""
+        return self.key_tiles and not self.channel_decay
 
 
 def _knob(default: object, kinds: frozenset[KernelKind], doc: str) -> object:
@@ -294,7 +300,7 @@ def default_configs(kind: KernelKind, shape: TargetShape, traits: SpecTraits = S
     cap = max(16, _next_pow2(shape.value_dim))
     scores = traits.scores
     if kind is KernelKind.REPLAY_DECODE:
-        tiled = key_tiled_state_route(shape, traits) if traits.delta_rule else None
+        tiled = key_tiled_state_route(shape, traits) if traits.delta_rule and not traits.channel_decay else None
         return (
             BucketConfig(8, KernelConfig(block_v=min(32, cap), num_warps=min(4, max_state_warps(shape, min(32, cap))))),
             BucketConfig(None, tiled or (flush_every_step(shape) if traits.channel_decay else whole_key_output_only(shape, traits))),
@@ -364,12 +370,16 @@ def key_tiled_state_route(shape: TargetShape, traits: SpecTraits = SpecTraits())
 def replay_decode_structures(shape: TargetShape, traits: SpecTraits = SpecTraits()) -> tuple[KernelConfig, ...]:
     """Replay decode's buffering kernel structures, each in a launch shape that won on the H200
     (design.md, "Key tiles"): the key-tiled state route, the key-tiled output-only route (two slices of half the key
-    axis, 64 value rows, two stages), and the whole-key output-only step; where key tiles cannot run, the whole-key
-    output-only step and the whole-key state route. A search starts from each, at every batch
-    size (a search over the knobs alone rarely finds a structure the default does not have)."""
+    axis, 64 value rows, two stages), and the whole-key output-only step; for a decay per key channel the key-tiled
+    and the whole-key state routes (the output-only routes weigh every key channel of every entry, design.md,
+    "Defaults"); where key tiles cannot run, the whole-key output-only step and the whole-key state route. A search
+    starts from each, at every batch size (a search over the knobs alone rarely finds a structure the default does
+    not have)."""
     tiled = key_tiled_state_route(shape, traits)
     if tiled is None:
         return (whole_key_output_only(shape, traits), whole_key_state_route(shape))
+    if not traits.every_key_tiled_kernel:
+        return (tiled, whole_key_state_route(shape))
     output_only = replace(tiled, route=Route.OUTPUT_ONLY, fold_dot=False, fold_precision=KNOB_DEFAULTS["fold_precision"], num_stages=2)
     return (tiled, output_only, whole_key_output_only(shape, traits))
 
@@ -382,7 +392,7 @@ def replay_verify_structures(shape: TargetShape, traits: SpecTraits = SpecTraits
     state so); and the output-only route on precomputed scores overlapped with the verify kernel, two pipeline stages
     (a flush folds by the same product). None where key tiles cannot run."""
     tiled = key_tiled_state_route(shape, traits)
-    if tiled is None:
+    if tiled is None or not traits.every_key_tiled_kernel:
         return ()
     return (
         tiled,

@@ -29,7 +29,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from replaygen.configs import BucketConfig, KernelKind, Route
+from replaygen.configs import BucketConfig, KernelKind, Route, bucket_config
 from replaygen.errors import ReplaygenError, one_line
 from replaygen.plan import ModulePlan, plan_module
 from replaygen.spec.model import Spec, TargetShape
@@ -430,5 +430,6 @@ def _calls(module: ModuleType, plan: ModulePlan, act_dtype: torch.dtype, kinds: 
         for label, kw in options if kind in WITH_INPUTS else ():
             yield f"{name} b{first} ({label})", lambda call=call, kw=kw: call(first, **kw)
         if kind is KernelKind.REPLAY_DECODE:
-            for route in Route:
+            tiled_state_route_only = bucket_config(tables[kind], first).block_k and plan.channel_decay
+            for route in Route if not tiled_state_route_only else (Route.STATE_AND_OUTPUT,):
                 yield f"{name} b{first} ({route.value})", lambda call=call, route=route: call(first, route=route.value)

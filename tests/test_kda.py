@@ -34,17 +34,80 @@ def test_shipped_spec():
 
 
 def test_the_default_above_batch_8_is_the_baseline_step():
-    """A decay per key channel makes both buffering routes slower than reading and writing the state every step at
-    Kimi Linear's sizes (H100, perf.md 74): above batch 8 the default flushes every step; a search still starts from
-    both buffering routes."""
+    """A decay per key channel made both whole-key buffering routes slower than reading and writing the state every
+    step at Kimi Linear's sizes (H100, perf.md 74): above batch 8 the default flushes every step; a search starts
+    from the key-tiled and the whole-key state routes."""
     from replaygen.configs import default_configs, replay_decode_structures, spec_traits
 
     main = KDA.shape("kimi-linear")
     traits = spec_traits(KDA, main)
     small, large = default_configs(KernelKind.REPLAY_DECODE, main, traits)
     assert small.config.flush_at == 0 and large.config.flush_at == 1 and large.config.block_k == 0
-    assert {c.route for c in replay_decode_structures(main, traits)} == {Route.OUTPUT_ONLY, Route.STATE_AND_OUTPUT}
-    assert all(c.flush_at != 1 for c in replay_decode_structures(main, traits))
+    structures = replay_decode_structures(main, traits)
+    assert [(c.route, c.block_k) for c in structures] == [(Route.STATE_AND_OUTPUT, 64), (Route.STATE_AND_OUTPUT, 0)]
+    assert all(c.flush_at != 1 for c in structures)
+
+
+TILED = replace(SHAPE, key_dim=32, value_dim=16)  # two key slices of 16, one block of 16 value rows
+STATE_TILES = KernelConfig(block_v=16, block_k=16, num_warps=1, num_stages=2, route=Route.STATE_AND_OUTPUT, fold_dot=True)
+
+
+def decode_tiled(shape, config):
+    return load_kernels(KDA, shape, {KernelKind.REPLAY_DECODE: (BucketConfig(None, config),)})
+
+
+@pytest.mark.parametrize(
+    "config, act, direct",
+    [
+        pytest.param(STATE_TILES, torch.float32, False, id="tf32x3-fold"),
+        pytest.param(replace(STATE_TILES, fold_precision="key_buffer"), torch.float16, False, id="key-buffer-fold-fp16"),
+        pytest.param(replace(STATE_TILES, fold_dot=False, num_stages=1), torch.float32, True, id="loop-fold-gate-given"),
+    ],
+)
+def test_key_tiled_state_route(config, act, direct):
+    """Replay decode over key slices: each slice of the state formed from the checkpoint slice and the entries' keys
+    weighed by their own decays of the slice's channels, this step's decay of the slice on the readouts and the
+    flush; two flush cycles, rows joining late, a padding row, poisoned unused slots."""
+    assert_passes(check_decode(decode_tiled(TILED, config), KDA, TILED, device=DEVICE, act_dtype=act, use_direct=direct, cycles=2, seed=31))
+
+
+def test_key_tiled_state_route_at_odd_sizes_and_the_calls_flush_threshold():
+    """key_dim 20 in two slices of 16 (the second masked), 12 value rows in a block of 16, FLA's [K, V] layout; then
+    a call's flush_at of 3 below the config's 7."""
+    shape = replace(ODD, heads=3, key_heads=3, capacity=7, window=3, layout=StateLayout.KEY_VALUE)
+    module = decode_tiled(shape, STATE_TILES)
+    assert_passes(check_decode(module, KDA, shape, device=DEVICE, batch=3, cycles=2, seed=32))
+    assert_passes(check_decode(module, KDA, shape, device=DEVICE, batch=3, flush_at=3, cycles=2, seed=33))
+
+
+def test_key_tiles_run_the_decodes_state_route_only():
+    """The output-only route's and the verify's key-tiled readouts weigh one decay per entry: refused by the plan,
+    pruned or left out of the search space and of the verify's structures."""
+    from replaygen.configs import key_tiled_state_route, replay_verify_structures, spec_traits
+    from replaygen.errors import UnsupportedShapeError
+    from replaygen.tune.space import PruneRule, derive_space
+
+    with pytest.raises(UnsupportedShapeError, match="block_k with a decay per key channel runs replay decode's state_and_output route only"):
+        decode_tiled(TILED, replace(STATE_TILES, route=Route.OUTPUT_ONLY, fold_dot=False))
+    with pytest.raises(UnsupportedShapeError, match="block_k with a decay per key channel"):
+        load_kernels(KDA, TILED, {KernelKind.REPLAY_VERIFY: (BucketConfig(None, STATE_TILES),)})
+    traits = spec_traits(KDA, TILED)
+    assert traits.key_tiles and not traits.every_key_tiled_kernel
+    assert key_tiled_state_route(TILED, traits).block_k == 16 and replay_verify_structures(TILED, traits) == ()
+    decode = derive_space(KernelKind.REPLAY_DECODE, TILED, 32, traits)
+    assert decode.parameter("block_k").choices == (0, 16)
+    assert decode.prune_reason(replace(STATE_TILES, route=Route.OUTPUT_ONLY, fold_dot=False, flush_at=8)) is PruneRule.CHANNEL_KEY_TILES
+    assert decode.prune_reason(replace(STATE_TILES, flush_at=8)) is None
+    assert derive_space(KernelKind.REPLAY_VERIFY, TILED, 32, traits).parameter("block_k").choices == (0,)
+
+    module = decode_tiled(TILED, STATE_TILES)
+    state = module.allocate(2, DEVICE, torch.float32)
+    slots = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
+    heads, key_dim, value_dim = TILED.heads, TILED.key_dim, TILED.value_dim
+    inputs = {name: torch.randn(2, heads, dim, device=DEVICE) for name, dim in (("v", value_dim), ("k", key_dim), ("q", key_dim), ("a", key_dim))}
+    weights = {"A_log": torch.zeros(heads, device=DEVICE), "dt_bias": torch.zeros(heads, key_dim, device=DEVICE)}
+    with pytest.raises(ValueError, match="route='output_only'.*key tiles .*state_and_output route alone"):
+        module.decode(state, slots, **inputs, b=torch.randn(2, heads, device=DEVICE), **weights, route="output_only")
 
 
 @pytest.fixture(scope="module", params=[StateLayout.VALUE_KEY, StateLayout.KEY_VALUE], ids=lambda layout: layout.value)
@@ -114,15 +177,20 @@ def fla_naive_recurrent_kda(q, k, v, g, beta, scale, initial_state):
     return torch.stack(out, 1), S
 
 
-@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus gate", "bounded gate"])
+@pytest.mark.parametrize(
+    "lower_bound, key_tiles",
+    [(None, False), (-5.0, False), (None, True)],
+    ids=["softplus gate", "bounded gate", "softplus gate, key-tiled decode"],
+)
 @pytest.mark.parametrize("layout", [StateLayout.VALUE_KEY, StateLayout.KEY_VALUE], ids=lambda layout: layout.value)
-def test_against_fla_naive_recurrence(layout, lower_bound):
-    """Twenty tokens (two flushes of the L=8 buffer) through replay decode, and through verify windows of 2 with every
-    draft accepted, against FLA's recurrence on the same raw inputs: outputs per token and the final state."""
+def test_against_fla_naive_recurrence(layout, lower_bound, key_tiles):
+    """Twenty tokens (two flushes of the L=8 buffer) through replay decode (the default kernels, or the key-tiled
+    state route), and through verify windows of 2 with every draft accepted, against FLA's recurrence on the same raw
+    inputs: outputs per token and the final state."""
     text = KDA_TEXT if lower_bound is None else KDA_TEXT.replace("  form: neg_exp_softplus\n", f"  form: lower_bound_sigmoid\n  bound: {lower_bound}\n")
     spec = load_spec_text(text, "kda.yaml")
-    shape = replace(SHAPE, layout=layout)
-    module = load_kernels(spec, shape)
+    shape = replace(TILED if key_tiles else SHAPE, layout=layout)
+    module = load_kernels(spec, shape, {KernelKind.REPLAY_DECODE: (BucketConfig(None, STATE_TILES),)} if key_tiles else None)
     gen = torch.Generator().manual_seed(11)
     batch, tokens, heads, key_dim, value_dim = 2, 20, shape.heads, shape.key_dim, shape.value_dim
     q, k = (torch.randn(batch, tokens, heads, key_dim, generator=gen, dtype=torch.float64) for _ in range(2))

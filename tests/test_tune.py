@@ -82,7 +82,7 @@ def test_space_of_the_main_shape(mamba2):
     )
     assert next(space.iter_candidates()) == space.default
     assert derive_space(RD, shape, batch=1).default == KernelConfig(block_v=32, num_warps=4, flush_at=16)
-    assert {p.name for p in derive_space(RD, shape, 128, SpecTraits(channel_decay=True)).free} == set(choices) - {"num_stages", "block_k", "precompute_scores", "readout_dot", "readout_precision", "overlap_scores",
+    assert {p.name for p in derive_space(RD, shape, 128, SpecTraits(channel_decay=True)).free} == set(choices) - {"precompute_scores", "readout_dot", "readout_precision", "overlap_scores",
                                                                                                     "align_flushes", "flush_groups", "window_block_v", "window_warps",
                                                                                                     "early_commit"}
     baseline = derive_space(BD, shape, batch=8)

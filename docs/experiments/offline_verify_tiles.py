@@ -17,12 +17,13 @@ from replaygen.spec import load_spec
 
 def variants(spec, shape):
     """The configs compiled per shape, by name."""
-    tiled, output_only = replay_verify_structures(shape, spec_traits(spec, shape))
+    tiled, tiled_readouts, output_only = replay_verify_structures(shape, spec_traits(spec, shape))
     return {
         "default above b8": module_defaults(spec, shape)[KernelKind.REPLAY_VERIFY][-1].config,
         "key tiles, state route": tiled,
         "key tiles, output-only": output_only,
         "key tiles, state route, readout product": replace(tiled, readout_dot=True),
+        "key tiles, state route, readout product in the buffers' dtype": tiled_readouts,
         "key tiles, output-only, readout product": replace(output_only, readout_dot=True),
         "key tiles, state route, bv32": replace(tiled, block_v=32),
         "key tiles, output-only, bv32 bk32": replace(output_only, block_v=32, block_k=32),

@@ -20,8 +20,9 @@ templates read (nothing else is invented):
     fold_dot          replay kernels: fold by one tensor-core product instead of the loop
     fold_precision    replay kernels with fold_dot: the product's operands in tf32x3, tf32, or the 16-bit buffers'
                       dtype (key_buffer)
-    block_k           replay kernels, per-head decay only: 0 (the whole key axis in one tile) or the key columns per
-                      pass of a key loop, powers of two from max(16, next_pow2(key_dim) / 4) to half of it
+    block_k           replay kernels: 0 (the whole key axis in one tile) or the key columns per pass of a key loop,
+                      powers of two from max(16, next_pow2(key_dim) / 4) to half of it; with a decay per key
+                      channel on replay decode's state route only
     readout_dot       replay_verify only, per-head decay only: the window's readouts of the state and ring as
                       tensor-core products; needs 16 value rows and, except on the key-tiled state route,
                       precompute_scores
@@ -69,6 +70,8 @@ Pruning rules, applied to a point before anything is rendered or compiled:
     NO_KEY_LOOP    num_stages above 1 pipelines the key loop of block_k; without it there is no loop to pipeline
     UNUSED_BY_KEY_TILES  the key-tiled kernels read their entries' ring positions from the cursor and issue no key
                    prefetch: prefetch_ring and prefetch_fold_keys keep their defaults (True, False)
+    CHANNEL_KEY_TILES  with a decay per key channel only replay decode's state route runs key tiles (the other
+                   key-tiled readouts weigh one decay per entry)
 
 The kind's documented default (`configs.default_configs`, its bucket for this batch) is the
 reference point of the summary: it is always a candidate, whatever the rules say.
@@ -119,6 +122,7 @@ class PruneRule(enum.Enum):
     UNUSED_DOT = "without fused_flush the decode kernel never folds"
     NO_KEY_LOOP = "num_stages above 1 needs the key loop of block_k"
     UNUSED_BY_KEY_TILES = "the key-tiled kernels read neither prefetch_ring nor prefetch_fold_keys"
+    CHANNEL_KEY_TILES = "a decay per key channel runs key tiles on the state route only"
 
 
 @dataclass(frozen=True)
@@ -140,6 +144,7 @@ class SearchSpace:
     shape: TargetShape
     parameters: tuple[Parameter, ...]  # every KernelConfig field; fixed ones have one choice
     default: KernelConfig  # the documented default for this batch, flush_at made explicit
+    state_route_key_tiles_only: bool = False  # block_k runs on the state route alone (a decay per key channel)
 
     def parameter(self, name: str) -> Parameter:
         for parameter in self.parameters:
@@ -203,6 +208,8 @@ class SearchSpace:
             return PruneRule.NO_KEY_LOOP
         if config.block_k and (not config.prefetch_ring or config.prefetch_fold_keys):
             return PruneRule.UNUSED_BY_KEY_TILES
+        if config.block_k and self.state_route_key_tiles_only and config.route is Route.OUTPUT_ONLY:
+            return PruneRule.CHANNEL_KEY_TILES
         if self.kind is KernelKind.REPLAY_DECODE:
             state_route = config.route is Route.STATE_AND_OUTPUT
             if config.flush_at == 1 and state_route:
@@ -270,7 +277,8 @@ def derive_space(kind: KernelKind, shape: TargetShape, batch: int, traits: SpecT
     scores = traits.scores
     both = (False, True)
     top_k = _next_pow2(shape.key_dim)
-    key_tiles = tuple(b for b in (16, 32, 64, 128, 256) if max(16, top_k // 4) <= b < top_k) if traits.key_tiles else ()
+    tiled = traits.every_key_tiled_kernel or (decode and traits.key_tiles)
+    key_tiles = tuple(b for b in (16, 32, 64, 128, 256) if max(16, top_k // 4) <= b < top_k) if tiled else ()
     parameters = (
         Parameter("block_v", block_v, Scale.LOG2),
         Parameter("num_warps", NUM_WARPS, Scale.LOG2),
@@ -298,7 +306,7 @@ def derive_space(kind: KernelKind, shape: TargetShape, batch: int, traits: SpecT
         Parameter("early_commit", both if verify else (False,), Scale.CATEGORICAL),
     )
     default = default_config(kind, shape, batch, traits)
-    return SearchSpace(kind=kind, shape=shape, parameters=parameters, default=default)
+    return SearchSpace(kind=kind, shape=shape, parameters=parameters, default=default, state_route_key_tiles_only=not traits.every_key_tiled_kernel)
 
 
 def default_config(kind: KernelKind, shape: TargetShape, batch: int, traits: SpecTraits = SpecTraits()) -> KernelConfig:
