@@ -75,7 +75,7 @@ STATE_STREAMING_KINDS = frozenset(STATE_TILE_KINDS)
 class SpecTraits:
     """What a spec's recurrence allows one shape's kernel configs, derived from the spec once (`spec_traits`)."""
 
-    channel_decay: bool = False  # the decay is per key channel: no scores kernel, key tiles on the decode's state route only
+    channel_decay: bool = False  # the decay is per key channel: no scores kernel, key tiles on the state routes only
     delta_rule: bool = False  # the delta rule: a verify window's triangular solve; corrected values cached at the buffers' precision
     shared_scores: bool = True  # one key per key head and step, no carried entry, rank 1 (`shares_scores`)
     whole_head_baseline: bool = False  # the baselines run one program per head (they rewrite a carried key and angle)
@@ -93,9 +93,9 @@ class SpecTraits:
         return self.shared_scores and self.one_factor_transforms
 
     @property
-    def every_key_tiled_kernel(self) -> bool:
-        """Key tiles on every route of replay decode and on replay verify: `key_tiles` with a per-head decay (their
-        readouts of the entries weigh one decay per entry, the verify's each window token's too)."""
+    def output_only_key_tiles(self) -> bool:
+        """Key tiles on the output-only routes too: `key_tiles` with a per-head decay (those routes read the entries
+        through their scores, which for a decay per key channel are sums over the whole key axis)."""
         return self.key_tiles and not self.channel_decay
 
 
@@ -378,7 +378,7 @@ def replay_decode_structures(shape: TargetShape, traits: SpecTraits = SpecTraits
     tiled = key_tiled_state_route(shape, traits)
     if tiled is None:
         return (whole_key_output_only(shape, traits), whole_key_state_route(shape))
-    if not traits.every_key_tiled_kernel:
+    if not traits.output_only_key_tiles:
         return (tiled, whole_key_state_route(shape))
     output_only = replace(tiled, route=Route.OUTPUT_ONLY, fold_dot=False, fold_precision=KNOB_DEFAULTS["fold_precision"], num_stages=2)
     return (tiled, output_only, whole_key_output_only(shape, traits))
@@ -390,15 +390,15 @@ def replay_verify_structures(shape: TargetShape, traits: SpecTraits = SpecTraits
     into each state slice by one product, the window's scores computed in the kernel); the same with every token's
     readouts of each slice by one product in the 16-bit buffers' dtype (the vLLM ReplaySSM PR's verify reads its
     state so); and the output-only route on precomputed scores overlapped with the verify kernel, two pipeline stages
-    (a flush folds by the same product). None where key tiles cannot run."""
+    (a flush folds by the same product); for a decay per key channel the two state routes alone. None where key
+    tiles cannot run."""
     tiled = key_tiled_state_route(shape, traits)
-    if tiled is None or not traits.every_key_tiled_kernel:
+    if tiled is None:
         return ()
-    return (
-        tiled,
-        replace(tiled, readout_dot=True, readout_precision="key_buffer"),
-        replace(tiled, route=Route.OUTPUT_ONLY, num_stages=2, precompute_scores=True, overlap_scores=True),
-    )
+    state_routes = (tiled, replace(tiled, readout_dot=True, readout_precision="key_buffer"))
+    if not traits.output_only_key_tiles:
+        return state_routes
+    return (*state_routes, replace(tiled, route=Route.OUTPUT_ONLY, num_stages=2, precompute_scores=True, overlap_scores=True))
 
 
 def module_defaults(spec: Spec, shape: TargetShape) -> dict[KernelKind, tuple[BucketConfig, ...]]:

@@ -209,8 +209,7 @@ class ModulePlan:
     keys_per_head: bool = False  # transformed keys differ per head (a per-head bias or angle): the key ring has a row per head
     carried: tuple[CarriedField, ...] = ()  # what the recurrence carries beside the state (see carried_fields)
     shared_scores: bool = True  # the scores kernel is rendered: one key per key head and step (configs.shares_scores)
-    key_tiles: bool = False  # the key-tiled replay decode (block_k) is rendered (configs.SpecTraits.key_tiles)
-    verify_key_tiles: bool = False  # the key-tiled replay verify is rendered (configs.SpecTraits.every_key_tiled_kernel)
+    key_tiles: bool = False  # the key-tiled replay decode and verify (block_k) are rendered (configs.SpecTraits.key_tiles)
     rank: int = 1  # R: keys and queries per token (above 1: rows of rank tiles, the rank weights)
     block_rank: int = 1  # the rank tiles' rows: next_pow2(R)
 
@@ -261,10 +260,10 @@ def plan_module(
                     f"{kind.value}: block_k slices the state and the key along the key axis: it needs one key per key head and step with no"
                     " carried entry, and key and query transforms that scale the raw vector by one factor (none, or l2norm without a weight)"
                 )
-            if bucket.config.block_k and not spec_traits(spec, shape).every_key_tiled_kernel and (kind is KernelKind.REPLAY_VERIFY or bucket.config.route is Route.OUTPUT_ONLY):
+            if bucket.config.block_k and not spec_traits(spec, shape).output_only_key_tiles and bucket.config.route is Route.OUTPUT_ONLY:
                 raise UnsupportedShapeError(
-                    f"{kind.value}: block_k with a decay per key channel runs replay decode's state_and_output route only (the other key-tiled"
-                    " readouts weigh one decay per entry)"
+                    f"{kind.value}: block_k with a decay per key channel runs the state_and_output route only (the output-only route"
+                    " reads the entries through their scores, sums over the whole key axis)"
                 )
             if bucket.config.precompute_scores and not shares_scores(spec, shape):
                 raise UnsupportedShapeError(
@@ -326,7 +325,6 @@ def plan_module(
         carried=carried_fields(spec, shape),
         shared_scores=shares_scores(spec, shape),
         key_tiles=spec_traits(spec, shape).key_tiles,
-        verify_key_tiles=spec_traits(spec, shape).every_key_tiled_kernel,
         rank=shape.rank,
         block_rank=_next_pow2(shape.rank),
     )

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from replaygen.configs import BucketConfig, KernelConfig, KernelKind, Route
-from replaygen.harness import check_decode, check_speculative
+from replaygen.harness import check_decode, check_speculative, check_speculative_through_flushes
 from replaygen.runtime import load_kernels
 from replaygen.spec import load_spec, load_spec_text
 from replaygen.spec.model import DecayForm, DecayGranularity, StateLayout, UpdateKind
@@ -80,25 +80,59 @@ def test_key_tiled_state_route_at_odd_sizes_and_the_calls_flush_threshold():
     assert_passes(check_decode(module, KDA, shape, device=DEVICE, batch=3, flush_at=3, cycles=2, seed=33))
 
 
-def test_key_tiles_run_the_decodes_state_route_only():
-    """The output-only route's and the verify's key-tiled readouts weigh one decay per entry: refused by the plan,
-    pruned or left out of the search space and of the verify's structures."""
+VERIFY_TILED = replace(TILED, capacity=8, window=2)
+
+
+@pytest.mark.parametrize(
+    "config, act",
+    [
+        pytest.param(STATE_TILES, torch.float32, id="tf32x3-fold"),
+        pytest.param(replace(STATE_TILES, readout_dot=True), torch.float32, id="readout-product"),
+        pytest.param(replace(STATE_TILES, readout_dot=True, readout_precision="key_buffer", fold_precision="key_buffer"), torch.float16, id="key-buffer-products-fp16"),
+        pytest.param(replace(STATE_TILES, fold_dot=False, num_stages=1, flush_at=1), torch.float32, id="loop-fold-every-window"),
+    ],
+)
+def test_key_tiled_verify_state_route(config, act):
+    """Replay verify over key slices: each slice of the state formed from the checkpoint slice and the committed
+    entries' keys weighed by their own decays of its channels, each window token's readouts of the slice weighed by
+    the window's decays of its channels up to that token; random acceptance, then every draft accepted through two
+    flushes and a wrapped ring."""
+    module = load_kernels(KDA, VERIFY_TILED, {KernelKind.REPLAY_VERIFY: (BucketConfig(None, config),)})
+    for report in check_speculative_through_flushes(module, KDA, VERIFY_TILED, random_steps=6, device=DEVICE, act_dtype=act, seed=35):
+        assert_passes(report)
+
+
+def test_key_tiled_verify_at_odd_sizes_between_decode_steps():
+    """key_dim 20 in two slices of 16, 12 value rows, FLA's [K, V] layout, T=3; decode steps (key-tiled too) between
+    the windows."""
+    shape = replace(ODD, heads=3, key_heads=3, capacity=9, window=3, layout=StateLayout.KEY_VALUE)
+    module = load_kernels(KDA, shape, {KernelKind.REPLAY_VERIFY: (BucketConfig(None, STATE_TILES),), KernelKind.REPLAY_DECODE: (BucketConfig(None, STATE_TILES),)})
+    assert_passes(check_speculative(module, KDA, shape, device=DEVICE, mixed=True, steps=9, seed=36))
+
+
+def test_key_tiles_run_the_state_routes_only():
+    """The output-only routes read the entries through their scores, which for a decay per key channel are sums over
+    the whole key axis: key tiles there are refused by the plan, pruned from the search space and left out of the
+    structures."""
     from replaygen.configs import key_tiled_state_route, replay_verify_structures, spec_traits
     from replaygen.errors import UnsupportedShapeError
     from replaygen.tune.space import PruneRule, derive_space
 
-    with pytest.raises(UnsupportedShapeError, match="block_k with a decay per key channel runs replay decode's state_and_output route only"):
+    with pytest.raises(UnsupportedShapeError, match="block_k with a decay per key channel runs the state_and_output route only"):
         decode_tiled(TILED, replace(STATE_TILES, route=Route.OUTPUT_ONLY, fold_dot=False))
-    with pytest.raises(UnsupportedShapeError, match="block_k with a decay per key channel"):
-        load_kernels(KDA, TILED, {KernelKind.REPLAY_VERIFY: (BucketConfig(None, STATE_TILES),)})
+    with pytest.raises(UnsupportedShapeError, match="replay_verify: the key-tiled output-only verify reads the entries' scores precomputed"):
+        load_kernels(KDA, TILED, {KernelKind.REPLAY_VERIFY: (BucketConfig(None, replace(STATE_TILES, route=Route.OUTPUT_ONLY)),)})
     traits = spec_traits(KDA, TILED)
-    assert traits.key_tiles and not traits.every_key_tiled_kernel
-    assert key_tiled_state_route(TILED, traits).block_k == 16 and replay_verify_structures(TILED, traits) == ()
+    assert traits.key_tiles and not traits.output_only_key_tiles
+    tiled = key_tiled_state_route(TILED, traits)
+    assert tiled.block_k == 16 and {c.route for c in replay_verify_structures(TILED, traits)} == {Route.STATE_AND_OUTPUT}
     decode = derive_space(KernelKind.REPLAY_DECODE, TILED, 32, traits)
     assert decode.parameter("block_k").choices == (0, 16)
     assert decode.prune_reason(replace(STATE_TILES, route=Route.OUTPUT_ONLY, fold_dot=False, flush_at=8)) is PruneRule.CHANNEL_KEY_TILES
     assert decode.prune_reason(replace(STATE_TILES, flush_at=8)) is None
-    assert derive_space(KernelKind.REPLAY_VERIFY, TILED, 32, traits).parameter("block_k").choices == (0,)
+    verify = derive_space(KernelKind.REPLAY_VERIFY, TILED, 32, traits)
+    assert verify.parameter("block_k").choices == (0, 16) and verify.parameter("readout_dot").choices == (False, True)
+    assert verify.prune_reason(replace(STATE_TILES, route=Route.OUTPUT_ONLY, fold_dot=False)) is PruneRule.INVALID
 
     module = decode_tiled(TILED, STATE_TILES)
     state = module.allocate(2, DEVICE, torch.float32)
@@ -180,7 +214,7 @@ def fla_naive_recurrent_kda(q, k, v, g, beta, scale, initial_state):
 @pytest.mark.parametrize(
     "lower_bound, key_tiles",
     [(None, False), (-5.0, False), (None, True)],
-    ids=["softplus gate", "bounded gate", "softplus gate, key-tiled decode"],
+    ids=["softplus gate", "bounded gate", "softplus gate, key-tiled decode and verify"],
 )
 @pytest.mark.parametrize("layout", [StateLayout.VALUE_KEY, StateLayout.KEY_VALUE], ids=lambda layout: layout.value)
 def test_against_fla_naive_recurrence(layout, lower_bound, key_tiles):
@@ -190,7 +224,8 @@ def test_against_fla_naive_recurrence(layout, lower_bound, key_tiles):
     text = KDA_TEXT if lower_bound is None else KDA_TEXT.replace("  form: neg_exp_softplus\n", f"  form: lower_bound_sigmoid\n  bound: {lower_bound}\n")
     spec = load_spec_text(text, "kda.yaml")
     shape = replace(TILED if key_tiles else SHAPE, layout=layout)
-    module = load_kernels(spec, shape, {KernelKind.REPLAY_DECODE: (BucketConfig(None, STATE_TILES),)} if key_tiles else None)
+    tiled = (BucketConfig(None, STATE_TILES),)
+    module = load_kernels(spec, shape, {KernelKind.REPLAY_DECODE: tiled, KernelKind.REPLAY_VERIFY: tiled} if key_tiles else None)
     gen = torch.Generator().manual_seed(11)
     batch, tokens, heads, key_dim, value_dim = 2, 20, shape.heads, shape.key_dim, shape.value_dim
     q, k = (torch.randn(batch, tokens, heads, key_dim, generator=gen, dtype=torch.float64) for _ in range(2))

@@ -1,12 +1,13 @@
 """Replay verify's key-tiled structures compiled offline for sm_90 (no GPU): registers, local memory, shared memory,
 SASS instructions and shuffles of each kernel, beside the documented large-batch default, at qwen3.5-mtp and
-nemotron-h-mtp with bf16 activations (`replaygen.offline`; perf.md 73).
+nemotron-h-mtp (or the shape named) with bf16 activations (`replaygen.offline`; perf.md 73, 77).
 
-    python docs/experiments/offline_verify_tiles.py
+    python docs/experiments/offline_verify_tiles.py [--spec kda --shape kimi-linear-mtp]
 """
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import replace
 
 from replaygen.configs import BucketConfig, KernelKind, module_defaults, replay_verify_structures, spec_traits
@@ -16,23 +17,30 @@ from replaygen.spec import load_spec
 
 
 def variants(spec, shape):
-    """The configs compiled per shape, by name."""
-    tiled, tiled_readouts, output_only = replay_verify_structures(shape, spec_traits(spec, shape))
-    return {
+    """The configs compiled per shape, by name (the output-only ones where the spec's structures have that route)."""
+    tiled, tiled_readouts, *output_only = replay_verify_structures(shape, spec_traits(spec, shape))
+    configs = {
         "default above b8": module_defaults(spec, shape)[KernelKind.REPLAY_VERIFY][-1].config,
         "key tiles, state route": tiled,
-        "key tiles, output-only": output_only,
         "key tiles, state route, readout product": replace(tiled, readout_dot=True),
         "key tiles, state route, readout product in the buffers' dtype": tiled_readouts,
-        "key tiles, output-only, readout product": replace(output_only, readout_dot=True),
         "key tiles, state route, bv32": replace(tiled, block_v=32),
-        "key tiles, output-only, bv32 bk32": replace(output_only, block_v=32, block_k=32),
     }
+    for route in output_only:
+        configs["key tiles, output-only"] = route
+        configs["key tiles, output-only, readout product"] = replace(route, readout_dot=True)
+        configs["key tiles, output-only, bv32 bk32"] = replace(route, block_v=32, block_k=32)
+    return configs
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", help="one spec (with --shape) instead of gdn qwen3.5-mtp and mamba2 nemotron-h-mtp")
+    parser.add_argument("--shape")
+    args = parser.parse_args()
+    targets = ((args.spec, args.shape),) if args.spec else (("gdn", "qwen3.5-mtp"), ("mamba2", "nemotron-h-mtp"))
     jobs, names = [], []
-    for spec_name, shape_name in (("gdn", "qwen3.5-mtp"), ("mamba2", "nemotron-h-mtp")):
+    for spec_name, shape_name in targets:
         spec = load_spec(spec_file(spec_name))
         shape = spec.shape(shape_name)
         for name, config in variants(spec, shape).items():

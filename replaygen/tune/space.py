@@ -22,10 +22,10 @@ templates read (nothing else is invented):
                       dtype (key_buffer)
     block_k           replay kernels: 0 (the whole key axis in one tile) or the key columns per pass of a key loop,
                       powers of two from max(16, next_pow2(key_dim) / 4) to half of it; with a decay per key
-                      channel on replay decode's state route only
-    readout_dot       replay_verify only, per-head decay only: the window's readouts of the state and ring as
-                      tensor-core products; needs 16 value rows and, except on the key-tiled state route,
-                      precompute_scores
+                      channel on the state routes only
+    readout_dot       replay_verify only, with a per-head decay or key tiles: the window's readouts of the state
+                      and ring as tensor-core products; needs 16 value rows and, except on the key-tiled state
+                      route, precompute_scores
     readout_precision replay_verify with readout_dot: the readout products' operands in tf32x3, tf32, or the 16-bit
                       buffers' dtype (key_buffer: the outputs rounded once more, the state never)
     evict_state       every tuned kernel: the state's loads and stores evict-first in L2 (the state streams; the
@@ -70,8 +70,8 @@ Pruning rules, applied to a point before anything is rendered or compiled:
     NO_KEY_LOOP    num_stages above 1 pipelines the key loop of block_k; without it there is no loop to pipeline
     UNUSED_BY_KEY_TILES  the key-tiled kernels read their entries' ring positions from the cursor and issue no key
                    prefetch: prefetch_ring and prefetch_fold_keys keep their defaults (True, False)
-    CHANNEL_KEY_TILES  with a decay per key channel only replay decode's state route runs key tiles (the other
-                   key-tiled readouts weigh one decay per entry)
+    CHANNEL_KEY_TILES  with a decay per key channel only the state routes run key tiles (the output-only route
+                   reads the entries through their scores, sums over the whole key axis)
 
 The kind's documented default (`configs.default_configs`, its bucket for this batch) is the
 reference point of the summary: it is always a candidate, whatever the rules say.
@@ -122,7 +122,7 @@ class PruneRule(enum.Enum):
     UNUSED_DOT = "without fused_flush the decode kernel never folds"
     NO_KEY_LOOP = "num_stages above 1 needs the key loop of block_k"
     UNUSED_BY_KEY_TILES = "the key-tiled kernels read neither prefetch_ring nor prefetch_fold_keys"
-    CHANNEL_KEY_TILES = "a decay per key channel runs key tiles on the state route only"
+    CHANNEL_KEY_TILES = "a decay per key channel runs key tiles on the state routes only"
 
 
 @dataclass(frozen=True)
@@ -277,8 +277,8 @@ def derive_space(kind: KernelKind, shape: TargetShape, batch: int, traits: SpecT
     scores = traits.scores
     both = (False, True)
     top_k = _next_pow2(shape.key_dim)
-    tiled = traits.every_key_tiled_kernel or (decode and traits.key_tiles)
-    key_tiles = tuple(b for b in (16, 32, 64, 128, 256) if max(16, top_k // 4) <= b < top_k) if tiled else ()
+    key_tiles = tuple(b for b in (16, 32, 64, 128, 256) if max(16, top_k // 4) <= b < top_k) if traits.key_tiles else ()
+    readouts = verify and (scores or bool(key_tiles))
     parameters = (
         Parameter("block_v", block_v, Scale.LOG2),
         Parameter("num_warps", NUM_WARPS, Scale.LOG2),
@@ -293,8 +293,8 @@ def derive_space(kind: KernelKind, shape: TargetShape, batch: int, traits: SpecT
         Parameter("fold_dot", both if replay and shape.rank == 1 else (False,), Scale.CATEGORICAL),
         Parameter("fold_precision", FOLD_PRECISIONS if replay and shape.rank == 1 else (FOLD_PRECISIONS[0],), Scale.CATEGORICAL),
         Parameter("block_k", (0, *key_tiles) if replay else (0,), Scale.CATEGORICAL),
-        Parameter("readout_dot", both if kind is KernelKind.REPLAY_VERIFY and scores else (False,), Scale.CATEGORICAL),
-        Parameter("readout_precision", FOLD_PRECISIONS if kind is KernelKind.REPLAY_VERIFY and scores else (FOLD_PRECISIONS[0],), Scale.CATEGORICAL),
+        Parameter("readout_dot", both if readouts else (False,), Scale.CATEGORICAL),
+        Parameter("readout_precision", FOLD_PRECISIONS if readouts else (FOLD_PRECISIONS[0],), Scale.CATEGORICAL),
         Parameter("evict_state", both, Scale.CATEGORICAL),
         Parameter("overlap_scores", both if replay and scores else (False,), Scale.CATEGORICAL),
         Parameter("align_flushes", both if decode and scores else (False,), Scale.CATEGORICAL),
@@ -306,7 +306,7 @@ def derive_space(kind: KernelKind, shape: TargetShape, batch: int, traits: SpecT
         Parameter("early_commit", both if verify else (False,), Scale.CATEGORICAL),
     )
     default = default_config(kind, shape, batch, traits)
-    return SearchSpace(kind=kind, shape=shape, parameters=parameters, default=default, state_route_key_tiles_only=not traits.every_key_tiled_kernel)
+    return SearchSpace(kind=kind, shape=shape, parameters=parameters, default=default, state_route_key_tiles_only=not traits.output_only_key_tiles)
 
 
 def default_config(kind: KernelKind, shape: TargetShape, batch: int, traits: SpecTraits = SpecTraits()) -> KernelConfig:
