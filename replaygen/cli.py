@@ -199,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernels", default=",".join(k.value for k in TUNABLE), help=f"comma-separated kernels to tune (default: {','.join(k.value for k in TUNABLE)})")
     _add_int(p, "--trials", 1, default=30, help="Optuna trials per shape, kernel and batch size (default: 30)")
     p.add_argument("--exhaustive", action="store_true", help="time every candidate of the space instead (for small spaces and for checking the search)")
-    p.add_argument("--fix", action="append", default=[], metavar="NAME=VALUE", help="restrict a parameter to one value, e.g. flush_at=16 (repeatable)")
+    p.add_argument("--fix", action="append", default=[], metavar="NAME=VALUE", help="restrict a parameter to one value, e.g. flush_at=16 (repeatable); the structures a search starts from take it too")
     p.add_argument("--storage", default=None, metavar="URL", help="Optuna storage URL shared by several processes or hosts (default: the journal file OUT/GPU/optuna.journal)")
     p.add_argument("--gpu", default=None, help="GPU name the records are filed under (default: from the device name, e.g. h100)")
     p.add_argument("--out", default=None, type=Path, help="records folder (default: tune/ beside the spec's specs/ folder)")

@@ -1001,6 +1001,17 @@ def test_replay_search_starts_from_every_kernel_structure(mamba2, tmp_path, batc
     assert replay_trials[1 : 1 + len(others)] == others and len(others) == (2 if batch > 8 else 3)
 
 
+def test_a_fixed_parameter_is_set_in_the_structures_a_search_starts_from(mamba2, tmp_path):
+    """--fix block_k=32 keeps the key-tiled structures as starting points, each with 32-column slices, instead of
+    leaving the sampler to find a key-tiled config among pruned ones; a whole-key structure that the fix would give a
+    key loop it does not pipeline (num_stages 1) is skipped."""
+    shape = mamba2.shape("nemotron-h")
+    structures = [replace(c, flush_at=c.flush_at or shape.capacity) for c in replay_decode_structures(shape, spec_traits(mamba2, shape))]
+    results, store, _ = run(mamba2, tmp_path, (RD,), (32,), trials=4, fixed=(("block_k", "32"),))
+    tiled = [replace(c, block_k=32) for c in structures if c.block_k]
+    assert [t.config for t in store.trials][: len(tiled)] == tiled and len(tiled) == 2
+
+
 @pytest.mark.parametrize("batch", [1, 32])
 def test_every_search_also_starts_from_the_other_buckets_defaults(mamba2, tmp_path, batch):
     """Replay verify at a batch size times its own bucket's documented default, then its key-tiled structures, then

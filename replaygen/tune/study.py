@@ -313,6 +313,7 @@ class Tuner:
         search of replay decode alone, from no records): a bucket where buffering does not pay keeps close to the
         baseline. Every kind: then the other buckets' documented defaults (a structure that wins at one batch size is
         tried at every other). Replay verify: its key-tiled structures (configs.replay_verify_structures) first.
+        The search sets what --fix restricts in each (`SearchSpace.fit`), as --recorded does, and skips those then pruned.
         The flush_at=1 seeds fold one entry per loop step (fold_chunk=1): that loop runs only for entries a larger
         threshold left, and unrolled chunks would cost registers, so programs per multiprocessor, on every step.
         Two of them: the baseline's state eviction policy, then the other (evict-first saved the replay its cursor's
@@ -356,7 +357,7 @@ class Tuner:
         study = optuna.create_study(study_name=name, storage=self.storage, direction="minimize", load_if_exists=True)
         study.sampler = _sampler(self.settings, len(study.trials))
         dists = distributions(space)
-        for seed in (space.default, *self._seeds(task)):
+        for seed in dict.fromkeys((space.default, *map(space.fit, self._seeds(task)))):
             if space.contains(seed) and (seed == space.default or space.prune_reason(seed) is None):
                 _enqueue_unless_done(study, encode_params(space, seed))
         values: dict[KernelConfig, float] = {}  # every config the study has a value for
