@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from replaygen.configs import BucketConfig, KernelKind, module_defaults, replay_decode_structures, spec_traits
+from replaygen.configs import KernelKind, module_defaults, replay_decode_structures, spec_traits
+from replaygen.keys import candidate_tables
 from replaygen.offline import architecture, compile_job, compile_modules
 from replaygen.paths import spec_file
 from replaygen.spec import load_spec
@@ -41,7 +42,7 @@ def main() -> None:
     shape = spec.shape(args.shape)
     jobs, names = [], []
     for name, config in variants(spec, shape).items():
-        tables = {**module_defaults(spec, shape), KernelKind.REPLAY_DECODE: (BucketConfig(None, config),)}
+        tables = candidate_tables(spec, shape, KernelKind.REPLAY_DECODE, config)
         jobs.append(compile_job(spec, shape, tables, architecture("sm_90"), "bfloat16", kinds=(KernelKind.REPLAY_DECODE,)))
         names.append(f"{args.shape}, {name}")
     for name, report in zip(names, compile_modules(jobs)):
