@@ -678,17 +678,34 @@ def test_exhaustive_mode_and_optuna_on_an_enumerable_space(mamba2, tmp_path):
     assert [r.mode for r in rows] == ["exhaustive", "optuna"] and rows[0].trials == ex.trials
 
 
-def test_exhaustive_searches_tell_the_warmer_their_candidates_first(mamba2, tmp_path):
+def test_exhaustive_searches_tell_the_warmer_every_candidate_before_the_first(mamba2, tmp_path):
     fake, told = FakeGPU(), []
-    warm = lambda task, configs: told.append((task.kind, task.batch, list(configs), len(fake.timed)))  # noqa: E731
-    results, _, _ = run(mamba2, tmp_path, (BD,), (8, 32), mode=Mode.EXHAUSTIVE, fixed=(("evict_state", "False"),), fake=fake, warm=warm)
+    warm = lambda searches: told.append(([(task.kind, task.batch, list(configs)) for task, configs in searches], len(fake.timed)))  # noqa: E731
+    fixed = (("evict_state", "False"),)
+    results, store, _ = run(mamba2, tmp_path, (BD,), (8, 32), mode=Mode.EXHAUSTIVE, fixed=fixed, fake=fake, warm=warm)
     space = derive_space(BD, mamba2.shape("nemotron-h"), 8).fix("evict_state", "False")
-    assert [(kind, batch) for kind, batch, _, _ in told] == [(BD, 8), (BD, 32)]
-    assert told[0][2] == list(space.candidates())
-    first, second = told[0][3], told[1][3]  # timings before each search was told
-    assert first == 0 and {b for _, b in fake.timed[:second]} == {8} and {b for _, b in fake.timed[second:]} == {32}
+    ((searches, timed_before),) = told
+    assert timed_before == 0 and [(kind, batch) for kind, batch, _ in searches] == [(BD, 8), (BD, 32)]
+    assert searches[0][2] == list(space.candidates())
+    timed = [c for c, b in fake.timed if b == 8]
+    assert timed == [c for c in space.candidates() if c in timed] and len(timed) >= len(space.candidates()) - 2  # in the order told
+    run(mamba2, tmp_path, (BD,), (8, 32, 128), mode=Mode.EXHAUSTIVE, fixed=fixed, fake=FakeGPU(), warm=warm)
+    searches = told[1][0]
+    assert [len(configs) for _, _, configs in searches] == [1, 1, len(space.candidates())]  # the raiser is tried again
     run(mamba2, tmp_path / "optuna", (BD,), (8,), trials=3, warm=warm)
     assert len(told) == 2  # Optuna proposes one config at a time: nothing to compile ahead
+
+
+def test_recorded_searches_tell_the_warmer_only_what_they_will_time(mamba2, tmp_path):
+    run(mamba2, tmp_path, (BD,), (8, 32), mode=Mode.EXHAUSTIVE, fixed=(("evict_state", "False"),))
+    told = []
+    warm = lambda searches: told.append([list(configs) for _, configs in searches])  # noqa: E731
+    run(mamba2, tmp_path, (BD,), (8, 32), mode=Mode.RECORDED, recorded=2, warm=warm)
+    assert not told  # every recorded config's trial is known: nothing to compile
+    _, _, fake = run(mamba2, tmp_path, (BD,), (8, 32), mode=Mode.RECORDED, recorded=2, retime=True, warm=warm)
+    ((per_search),) = told
+    assert [len(configs) for configs in per_search] == [2, 2]
+    assert [c for c, _ in fake.timed] == [c for configs in per_search for c in configs]
 
 
 def test_the_warmer_leaves_configs_that_do_not_render_to_the_search(mamba2, monkeypatch):
@@ -700,7 +717,7 @@ def test_the_warmer_leaves_configs_that_do_not_render_to_the_search(mamba2, monk
     (task,) = plan_tasks(mamba2, (shape,), (BD,), (8,))
     good = KernelConfig(block_v=16, num_warps=4)
     warmer = warm.CacheWarmer(architecture("sm_90"), "bfloat16", workers=2)
-    warmer(task, (KernelConfig(block_v=24), good))
+    warmer([(task, (KernelConfig(block_v=24), good)), (task, ())])
     assert [job.plan.configs[BD][0].config for job in started[0]] == [good]
     assert all(job.kinds == (BD,) and job.arch.name == "sm_90" for job in started[0])
 
@@ -1140,7 +1157,7 @@ def test_recorded_mode_from_another_gpu_times_its_winners_on_this_one(mamba2, tm
 
 def test_recorded_mode_without_records_times_nothing(mamba2, tmp_path, caplog):
     told = []
-    results, store, fake = run(mamba2, tmp_path, (RD,), (8,), mode=Mode.RECORDED, recorded=3, warm=lambda task, configs: told.append(configs))
+    results, store, fake = run(mamba2, tmp_path, (RD,), (8,), mode=Mode.RECORDED, recorded=3, warm=told.append)
     assert not fake.timed and not told and results[0].best is None and not store.trials
     assert "no passing trial" in caplog.text
 

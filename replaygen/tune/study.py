@@ -183,22 +183,20 @@ class Tuner:
         self,
         *,
         shape: TargetShape,
-        evaluator: Evaluator,
+        evaluator: Evaluator | None,
         store: RecordStore,
         environment: Environment,
         settings: TuneSettings,
         progress: Progress,
         storage: optuna.storages.BaseStorage | None = None,
-        warm: Callable[[SearchTask, tuple[KernelConfig, ...]], None] | None = None,
         source: RecordStore | None = None,
     ):
-        """`storage`: the Optuna storage (see make_storage; None: in memory); unused in exhaustive mode. `warm` is told
-        an exhaustive search's candidates before they are measured (tune.warm.CacheWarmer compiles them ahead).
-        `source`: the records recorded mode takes its configs from (None: this shape's own, `store`): another shape's
-        on this GPU, or any shape's on another GPU (`tune --recorded-gpu`)."""
+        """`evaluator`: None for a Tuner that only says what its searches will time (`pending`). `storage`: the Optuna
+        storage (see make_storage; None: in memory); unused in exhaustive mode. `source`: the records recorded mode
+        takes its configs from (None: this shape's own, `store`): another shape's on this GPU, or any shape's on
+        another GPU (`tune --recorded-gpu`)."""
         self.shape = shape
         self.source = source
-        self.warm = warm
         self.evaluator = evaluator
         self.store = store
         self.environment = environment
@@ -241,11 +239,23 @@ class Tuner:
         return f"replaygen:{task.spec.name}:{task.shape.name}:{task.kind.value}:b{task.batch}:{self.environment.gpu}:{digest[:16]}"
 
     def search(self, task: SearchTask, deadline: float | None = None) -> SearchResult:
-        if self.settings.mode is Mode.EXHAUSTIVE:
-            return self._exhaustive(task, deadline, task.space.candidates(), EXHAUSTIVE_STUDY)
-        if self.settings.mode is Mode.RECORDED:
-            return self._exhaustive(task, deadline, self._recorded(task), RECORDED_STUDY)
-        return self._optuna(task, deadline)
+        if self.settings.mode is Mode.OPTUNA:
+            return self._optuna(task, deadline)
+        study = EXHAUSTIVE_STUDY if self.settings.mode is Mode.EXHAUSTIVE else RECORDED_STUDY
+        return self._exhaustive(task, deadline, self._candidates(task), study)
+
+    def pending(self, task: SearchTask) -> tuple[KernelConfig, ...]:
+        """The configs an exhaustive or recorded search of `task` will time, in order: its candidates whose trials
+        the records do not hold (Optuna proposes one config at a time: none are known ahead)."""
+        if self.settings.mode is Mode.OPTUNA:
+            return ()
+        return tuple(
+            config for config in self._candidates(task)
+            if (task.kind, render_candidate(task.spec, task.shape, task.kind, config).key.code, task.batch) not in self._known
+        )
+
+    def _candidates(self, task: SearchTask) -> tuple[KernelConfig, ...]:
+        return task.space.candidates() if self.settings.mode is Mode.EXHAUSTIVE else self._recorded(task)
 
     def _recorded(self, task: SearchTask) -> tuple[KernelConfig, ...]:
         """The `settings.recorded` fastest distinct configs of the task's kernel among the passing trials (of any kernel
@@ -338,8 +348,6 @@ class Tuner:
         """Time `candidates` in order (every candidate of the space, or the recorded ones)."""
         results: dict[KernelConfig, TrialRecord] = {}
         measured = 0
-        if self.warm is not None and candidates:
-            self.warm(task, candidates)
         for config in candidates:
             if deadline is not None and results and time.monotonic() > deadline:
                 log.warning("%s: time is up after %d of %d candidates", task.label, len(results), len(candidates))
@@ -447,30 +455,43 @@ def tune(
     settings: TuneSettings,
     progress: Progress,
     timeout_s: float | None = None,
-    warm: Callable[[SearchTask, tuple[KernelConfig, ...]], None] | None = None,
+    warm: Callable[[list[tuple[SearchTask, tuple[KernelConfig, ...]]]], None] | None = None,
     source_for: Callable[[TargetShape], RecordStore] | None = None,
 ) -> list[SearchResult]:
-    """Run every task; with `timeout_s`, each search gets an equal share of the time left (`warm`: see Tuner;
-    `source_for(shape)`: the Tuner's `source` for that shape, None: each shape's own records)."""
+    """Run every task; with `timeout_s`, each search gets an equal share of the time left. `warm` is told, before the
+    first search of an exhaustive or recorded run, every search's configs to time in the order they will be timed
+    (tune.warm.CacheWarmer compiles them ahead on the CPUs while the GPU times the searches before). `source_for(shape)`:
+    the Tuner's `source` for that shape (None: each shape's own records)."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     storage = make_storage(settings) if settings.mode is Mode.OPTUNA else None
     end = None if timeout_s is None else time.monotonic() + timeout_s
+
+    def tuner_for(shape: TargetShape, evaluator: Evaluator | None) -> Tuner:
+        return Tuner(
+            shape=shape,
+            evaluator=evaluator,
+            store=store_for(shape),
+            environment=environment,
+            settings=settings,
+            progress=progress,
+            storage=storage,
+            source=source_for(shape) if source_for else None,
+        )
+
+    if warm is not None and settings.mode is not Mode.OPTUNA:
+        planners: dict[str, Tuner] = {}
+        searches = []
+        for task in tasks:
+            planner = planners.get(task.shape.name) or planners.setdefault(task.shape.name, tuner_for(task.shape, None))
+            searches.append((task, planner.pending(task)))
+        if any(configs for _, configs in searches):
+            warm(searches)
     tuner: Tuner | None = None
     results = []
     for index, task in enumerate(tasks):
         if tuner is None or tuner.shape != task.shape:
             tuner = None  # its evaluator's workloads go before the next shape's are allocated
-            tuner = Tuner(
-                shape=task.shape,
-                evaluator=evaluator_for(task.shape),
-                store=store_for(task.shape),
-                environment=environment,
-                settings=settings,
-                progress=progress,
-                storage=storage,
-                warm=warm,
-                source=source_for(task.shape) if source_for else None,
-            )
+            tuner = tuner_for(task.shape, evaluator_for(task.shape))
         deadline = None if end is None else time.monotonic() + (end - time.monotonic()) / (len(tasks) - index)
         progress.search_started(index, len(tasks), task)
         results.append(tuner.search(task, deadline))
