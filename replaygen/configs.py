@@ -233,12 +233,14 @@ def validate_config(kind: KernelKind, shape: TargetShape, config: KernelConfig) 
             raise UnsupportedShapeError(f"{kind.value}: block_k runs buffering steps; flush_at=1 runs the baseline's step on the whole key axis (block_k=0)")
         if kind is KernelKind.REPLAY_VERIFY and config.window_block_v:
             raise UnsupportedShapeError(f"{kind.value}: block_k runs the verify in one launch; window_block_v (the split verify) runs the whole key axis")
-        if kind is KernelKind.REPLAY_VERIFY and config.route is Route.OUTPUT_ONLY and not config.precompute_scores:
-            raise UnsupportedShapeError(f"{kind.value}: the key-tiled output-only verify reads the entries' scores precomputed: block_k needs precompute_scores or the state_and_output route")
-    reads_ring_scores = not (config.block_k and config.route is Route.STATE_AND_OUTPUT)  # the key-tiled state route reads none
-    if config.readout_dot and (config.block_v < MIN_DOT or (reads_ring_scores and not config.precompute_scores)):
+        if kind is KernelKind.REPLAY_VERIFY and config.route is Route.OUTPUT_ONLY and not (config.precompute_scores or config.readout_dot):
+            raise UnsupportedShapeError(
+                f"{kind.value}: the key-tiled output-only verify reads the entries' scores precomputed or by the readout products:"
+                " block_k needs precompute_scores, readout_dot or the state_and_output route"
+            )
+    if config.readout_dot and (config.block_v < MIN_DOT or (not config.block_k and not config.precompute_scores)):
         raise UnsupportedShapeError(
-            f"{kind.value}: readout_dot needs block_v >= {MIN_DOT} (tl.dot) and, except on the key-tiled state route, precompute_scores,"
+            f"{kind.value}: readout_dot needs block_v >= {MIN_DOT} (tl.dot) and, on the whole key axis (block_k=0), precompute_scores,"
             f" got block_v={config.block_v}, precompute_scores={config.precompute_scores}"
         )
     if config.overlap_scores and not config.precompute_scores:
@@ -389,16 +391,18 @@ def replay_verify_structures(shape: TargetShape, traits: SpecTraits = SpecTraits
     state route in the launch shape of the key-tiled decode's (`key_tiled_state_route`: the committed entries folded
     into each state slice by one product, the window's scores computed in the kernel); the same with every token's
     readouts of each slice by one product in the 16-bit buffers' dtype (the vLLM ReplaySSM PR's verify reads its
-    state so); and the output-only route on precomputed scores overlapped with the verify kernel, two pipeline stages
-    (a flush folds by the same product); for a decay per key channel the two state routes alone. None where key
-    tiles cannot run."""
+    state so); the output-only route on precomputed scores overlapped with the verify kernel, two pipeline stages
+    (a flush folds by the same product); and the output-only route with no scores kernel, its entries scored in the
+    key loop and every readout by one product in the buffers' dtype (the PR's verify structure); for a decay per key
+    channel the two state routes alone. None where key tiles cannot run."""
     tiled = key_tiled_state_route(shape, traits)
     if tiled is None:
         return ()
     state_routes = (tiled, replace(tiled, readout_dot=True, readout_precision="key_buffer"))
     if not traits.output_only_key_tiles:
         return state_routes
-    return (*state_routes, replace(tiled, route=Route.OUTPUT_ONLY, num_stages=2, precompute_scores=True, overlap_scores=True))
+    output_only = replace(tiled, route=Route.OUTPUT_ONLY, num_stages=2)
+    return (*state_routes, replace(output_only, precompute_scores=True, overlap_scores=True), replace(output_only, readout_dot=True, readout_precision="key_buffer"))
 
 
 def module_defaults(spec: Spec, shape: TargetShape) -> dict[KernelKind, tuple[BucketConfig, ...]]:

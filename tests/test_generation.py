@@ -160,7 +160,7 @@ def test_invalid_config_rejected_before_compile(mamba2):
         plan_module(mamba2, shape, "h100", configs, "defaults")
     configs[KernelKind.REPLAY_DECODE] = default_configs(KernelKind.REPLAY_DECODE, shape)
     configs[KernelKind.REPLAY_VERIFY] = (BucketConfig(None, KernelConfig(block_v=16, readout_dot=True)),)
-    with pytest.raises(UnsupportedShapeError, match="readout_dot needs block_v >= 16 .tl.dot. and, except on the key-tiled state route, precompute_scores"):
+    with pytest.raises(UnsupportedShapeError, match="readout_dot needs block_v >= 16 .tl.dot. and, on the whole key axis .block_k=0., precompute_scores"):
         plan_module(mamba2, shape, "h100", configs, "defaults")
     configs[KernelKind.REPLAY_VERIFY] = default_configs(KernelKind.REPLAY_VERIFY, shape)
     configs[KernelKind.REPLAY_DECODE] = (BucketConfig(None, KernelConfig(block_v=16, precompute_scores=True, readout_dot=True)),)

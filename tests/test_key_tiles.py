@@ -94,7 +94,7 @@ def test_key_tiles_refused_where_they_cannot_run(spec):
         tiled(spec, SHAPE, replace(STATE_FOLD, fold_precision="fp8"))
     with pytest.raises(UnsupportedShapeError, match="block_k applies to replay_decode and replay_verify only"):
         load_kernels(spec, SHAPE, {KernelKind.BASELINE_DECODE: (BucketConfig(None, KernelConfig(block_v=16, block_k=16)),)})
-    with pytest.raises(UnsupportedShapeError, match="key-tiled output-only verify reads the entries' scores precomputed"):
+    with pytest.raises(UnsupportedShapeError, match="key-tiled output-only verify reads the entries' scores precomputed or by the readout products"):
         verify_tiled(spec, SHAPE, KernelConfig(block_v=16, block_k=16))
     with pytest.raises(UnsupportedShapeError, match="window_block_v .* runs the whole key axis"):
         verify_tiled(spec, SHAPE, replace(VERIFY_OUTPUT_ONLY, window_block_v=16))
@@ -139,6 +139,7 @@ VERIFY_CONFIGS = [
     pytest.param(VERIFY_OUTPUT_ONLY, id="output-only"),
     pytest.param(replace(VERIFY_OUTPUT_ONLY, readout_dot=True, num_warps=2), id="output-only-readout-product-two-warps"),
     pytest.param(replace(VERIFY_OUTPUT_ONLY, flush_at=1, fold_dot=True), id="output-only-fold-every-window"),
+    pytest.param(replace(VERIFY_OUTPUT_ONLY, precompute_scores=False, overlap_scores=False, readout_dot=True, fold_dot=True), id="output-only-entries-scored-in-the-key-loop"),
     pytest.param(replace(VERIFY_STATE, readout_dot=True), id="state-tf32x3-fold-readout-product"),
     pytest.param(replace(VERIFY_STATE, fold_dot=False, precompute_scores=True, readout_dot=True), id="state-loop-fold-scores-readout-product"),
 ]
@@ -164,6 +165,7 @@ def test_key_tiled_verify_at_odd_sizes_between_decode_steps(spec, route):
 @pytest.mark.parametrize("config", [
     pytest.param(replace(VERIFY_STATE, readout_dot=True, readout_precision="key_buffer"), id="key-tiled-state-route"),
     pytest.param(KernelConfig(block_v=16, num_warps=1, precompute_scores=True, readout_dot=True, readout_precision="key_buffer"), id="whole-key-output-only"),
+    pytest.param(replace(VERIFY_OUTPUT_ONLY, precompute_scores=False, overlap_scores=False, readout_dot=True, readout_precision="key_buffer"), id="key-tiled-output-only-entries-scored-in-the-key-loop"),
 ])
 @pytest.mark.parametrize("act_dtype", [torch.float16, torch.float32], ids=["fp16-buffers", "fp32-buffers"])
 def test_verify_readouts_in_the_buffers_dtype(spec, config, act_dtype):
@@ -186,8 +188,9 @@ def test_verify_searches_start_from_the_key_tiled_structures(spec):
     traits = spec_traits(spec, shape)
     structures = replay_verify_structures(shape, traits)
     assert [(c.route, c.block_k, c.precompute_scores, c.readout_dot) for c in structures] == [
-        (Route.STATE_AND_OUTPUT, 64, False, False), (Route.STATE_AND_OUTPUT, 64, False, True), (Route.OUTPUT_ONLY, 64, True, False)
+        (Route.STATE_AND_OUTPUT, 64, False, False), (Route.STATE_AND_OUTPUT, 64, False, True), (Route.OUTPUT_ONLY, 64, True, False),
+        (Route.OUTPUT_ONLY, 64, False, True),
     ]
-    assert structures[1].readout_precision == "key_buffer"
+    assert structures[1].readout_precision == structures[3].readout_precision == "key_buffer"
     space = derive_space(KernelKind.REPLAY_VERIFY, shape, 256, traits)
     assert all(space.contains(c) and space.prune_reason(c) is None for c in structures)

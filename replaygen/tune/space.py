@@ -24,8 +24,9 @@ templates read (nothing else is invented):
                       powers of two from max(16, next_pow2(key_dim) / 4) to half of it; with a decay per key
                       channel on the state routes only
     readout_dot       replay_verify only, with a per-head decay or key tiles: the window's readouts of the state
-                      and ring as tensor-core products; needs 16 value rows and, except on the key-tiled state
-                      route, precompute_scores
+                      and ring as tensor-core products; needs 16 value rows and, on the whole key axis,
+                      precompute_scores (the key-tiled output-only route without it scores the entries by one
+                      more product per key slice)
     readout_precision replay_verify with readout_dot: the readout products' operands in tf32x3, tf32, or the 16-bit
                       buffers' dtype (key_buffer: the outputs rounded once more, the state never)
     evict_state       every tuned kernel: the state's loads and stores evict-first in L2 (the state streams; the
