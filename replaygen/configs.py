@@ -119,7 +119,7 @@ class KernelConfig:
     fold_precision: str = _knob("tf32x3", REPLAY_KINDS, "the fold product's operands: tf32x3 (about fp32), tf32, or key_buffer (16-bit buffers' dtype; tf32x3 on float32 ones)")
     block_k: int = _knob(0, REPLAY_KINDS, "0: the whole key axis in one tile; else key columns per pass of the program's key loop")
     precompute_scores: bool = _knob(False, REPLAY_KINDS, "entry and window scores once per key head, in a small kernel first")
-    fused_flush: bool = _knob(True, DECODE, "fold full buffers in the decode kernel, or in a second launch")
+    fused_flush: bool = _knob(True, REPLAY_KINDS, "decode: fold full buffers in the decode kernel, or in a second launch; key-tiled verify: the flushing rows in the same launch, or in a second one")
     readout_dot: bool = _knob(False, VERIFY, "read the state and ring at every window token by tensor-core products")
     readout_precision: str = _knob("tf32x3", VERIFY, "the readout products' operands (readout_dot): tf32x3 (about fp32), tf32, or key_buffer (16-bit buffers' dtype; tf32x3 on float32 ones); the outputs only, never the state")
     evict_state: bool = _knob(False, STATE_STREAMING_KINDS, "state loads and stores evict-first in L2")
@@ -233,11 +233,15 @@ def validate_config(kind: KernelKind, shape: TargetShape, config: KernelConfig) 
             raise UnsupportedShapeError(f"{kind.value}: block_k runs buffering steps; flush_at=1 runs the baseline's step on the whole key axis (block_k=0)")
         if kind is KernelKind.REPLAY_VERIFY and config.window_block_v:
             raise UnsupportedShapeError(f"{kind.value}: block_k runs the verify in one launch; window_block_v (the split verify) runs the whole key axis")
+        if kind is KernelKind.REPLAY_VERIFY and not config.fused_flush and config.route is not Route.OUTPUT_ONLY:
+            raise UnsupportedShapeError(f"{kind.value}: a separate flush launch (fused_flush off) runs the output-only route; the state route folds in every launch")
         if kind is KernelKind.REPLAY_VERIFY and config.route is Route.OUTPUT_ONLY and not (config.precompute_scores or config.readout_dot):
             raise UnsupportedShapeError(
                 f"{kind.value}: the key-tiled output-only verify reads the entries' scores precomputed or by the readout products:"
                 " block_k needs precompute_scores, readout_dot or the state_and_output route"
             )
+    if kind is KernelKind.REPLAY_VERIFY and not config.fused_flush and not config.block_k:
+        raise UnsupportedShapeError(f"{kind.value}: a separate flush launch (fused_flush off) runs the key-tiled verify: it needs block_k")
     if config.readout_dot and (config.block_v < MIN_DOT or (not config.block_k and not config.precompute_scores)):
         raise UnsupportedShapeError(
             f"{kind.value}: readout_dot needs block_v >= {MIN_DOT} (tl.dot) and, on the whole key axis (block_k=0), precompute_scores,"
@@ -393,8 +397,8 @@ def replay_verify_structures(shape: TargetShape, traits: SpecTraits = SpecTraits
     readouts of each slice by one product in the 16-bit buffers' dtype (the vLLM ReplaySSM PR's verify reads its
     state so); the output-only route on precomputed scores overlapped with the verify kernel, two pipeline stages
     (a flush folds by the same product); and the output-only route with no scores kernel, its entries scored in the
-    key loop and every readout by one product in the buffers' dtype (the PR's verify structure); for a decay per key
-    channel the two state routes alone. None where key tiles cannot run."""
+    key loop and every readout by one product in the buffers' dtype, in one launch and with the flushing rows in a
+    second launch (fused_flush off: the PR's verify structure); for a decay per key channel the two state routes alone. None where key tiles cannot run."""
     tiled = key_tiled_state_route(shape, traits)
     if tiled is None:
         return ()
@@ -402,7 +406,8 @@ def replay_verify_structures(shape: TargetShape, traits: SpecTraits = SpecTraits
     if not traits.output_only_key_tiles:
         return state_routes
     output_only = replace(tiled, route=Route.OUTPUT_ONLY, num_stages=2)
-    return (*state_routes, replace(output_only, precompute_scores=True, overlap_scores=True), replace(output_only, readout_dot=True, readout_precision="key_buffer"))
+    in_loop = replace(output_only, readout_dot=True, readout_precision="key_buffer")
+    return (*state_routes, replace(output_only, precompute_scores=True, overlap_scores=True), in_loop, replace(in_loop, fused_flush=False))
 
 
 def module_defaults(spec: Spec, shape: TargetShape) -> dict[KernelKind, tuple[BucketConfig, ...]]:

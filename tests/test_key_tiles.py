@@ -98,6 +98,10 @@ def test_key_tiles_refused_where_they_cannot_run(spec):
         verify_tiled(spec, SHAPE, KernelConfig(block_v=16, block_k=16))
     with pytest.raises(UnsupportedShapeError, match="window_block_v .* runs the whole key axis"):
         verify_tiled(spec, SHAPE, replace(VERIFY_OUTPUT_ONLY, window_block_v=16))
+    with pytest.raises(UnsupportedShapeError, match="a separate flush launch .fused_flush off. runs the output-only route"):
+        verify_tiled(spec, SHAPE, replace(VERIFY_STATE, fused_flush=False))
+    with pytest.raises(UnsupportedShapeError, match="a separate flush launch .fused_flush off. runs the key-tiled verify: it needs block_k"):
+        verify_tiled(spec, SHAPE, replace(VERIFY_OUTPUT_ONLY, block_k=0, fused_flush=False))
 
 
 def test_key_tiles_need_what_a_slice_can_hold():
@@ -140,6 +144,7 @@ VERIFY_CONFIGS = [
     pytest.param(replace(VERIFY_OUTPUT_ONLY, readout_dot=True, num_warps=2), id="output-only-readout-product-two-warps"),
     pytest.param(replace(VERIFY_OUTPUT_ONLY, flush_at=1, fold_dot=True), id="output-only-fold-every-window"),
     pytest.param(replace(VERIFY_OUTPUT_ONLY, precompute_scores=False, overlap_scores=False, readout_dot=True, fold_dot=True), id="output-only-entries-scored-in-the-key-loop"),
+    pytest.param(replace(VERIFY_OUTPUT_ONLY, readout_dot=True, fused_flush=False, num_warps=2), id="output-only-flush-launch-two-warps"),
     pytest.param(replace(VERIFY_STATE, readout_dot=True), id="state-tf32x3-fold-readout-product"),
     pytest.param(replace(VERIFY_STATE, fold_dot=False, precompute_scores=True, readout_dot=True), id="state-loop-fold-scores-readout-product"),
 ]
@@ -189,8 +194,9 @@ def test_verify_searches_start_from_the_key_tiled_structures(spec):
     structures = replay_verify_structures(shape, traits)
     assert [(c.route, c.block_k, c.precompute_scores, c.readout_dot) for c in structures] == [
         (Route.STATE_AND_OUTPUT, 64, False, False), (Route.STATE_AND_OUTPUT, 64, False, True), (Route.OUTPUT_ONLY, 64, True, False),
-        (Route.OUTPUT_ONLY, 64, False, True),
+        (Route.OUTPUT_ONLY, 64, False, True), (Route.OUTPUT_ONLY, 64, False, True),
     ]
-    assert structures[1].readout_precision == structures[3].readout_precision == "key_buffer"
+    assert structures[1].readout_precision == structures[3].readout_precision == structures[4].readout_precision == "key_buffer"
+    assert [c.fused_flush for c in structures] == [True, True, True, True, False]
     space = derive_space(KernelKind.REPLAY_VERIFY, shape, 256, traits)
     assert all(space.contains(c) and space.prune_reason(c) is None for c in structures)

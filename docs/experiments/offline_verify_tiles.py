@@ -1,6 +1,6 @@
 """Replay verify's key-tiled structures compiled offline for sm_90 (no GPU): registers, local memory, shared memory,
 SASS instructions and shuffles of each kernel, beside the documented large-batch default, at qwen3.5-mtp and
-nemotron-h-mtp (or the shape named) with bf16 activations (`replaygen.offline`; perf.md 73, 77).
+nemotron-h-mtp (or the shape named) with bf16 activations (`replaygen.offline`; perf.md 73, 77, 80).
 
     python docs/experiments/offline_verify_tiles.py [--spec kda --shape kimi-linear-mtp]
 """
@@ -27,10 +27,13 @@ def variants(spec, shape):
         "key tiles, state route, readout product in the buffers' dtype": tiled_readouts,
         "key tiles, state route, bv32": replace(tiled, block_v=32),
     }
-    for route in output_only:
-        configs["key tiles, output-only"] = route
-        configs["key tiles, output-only, readout product"] = replace(route, readout_dot=True)
-        configs["key tiles, output-only, bv32 bk32"] = replace(route, block_v=32, block_k=32)
+    if output_only:
+        scored, in_loop = output_only
+        configs["key tiles, output-only"] = scored
+        configs["key tiles, output-only, readout product"] = replace(scored, readout_dot=True)
+        configs["key tiles, output-only, bv32 bk32"] = replace(scored, block_v=32, block_k=32)
+        configs["key tiles, output-only, entries scored in the key loop, products in the buffers' dtype"] = in_loop
+        configs["the same, fold by loop"] = replace(in_loop, fold_dot=False, fold_precision="tf32x3")
     return configs
 
 

@@ -14,7 +14,9 @@ templates read (nothing else is invented):
                       entries on every step that has any: a state store per step, a fold of at most T entries)
     precompute_scores replay kernels, per-head decay only: entry (and window) scores once per key head in a small
                       kernel
-    fused_flush       replay_decode only: fold full buffers in the decode kernel, or in a persistent second launch
+    fused_flush       replay_decode: fold full buffers in the decode kernel, or in a persistent second launch;
+                      replay_verify on the key-tiled output-only route: the flushing rows in the verify's launch, or
+                      in a second launch of it
     prefetch_ring     replay kernels: read every ring position without waiting for the cursor
     fold_chunk        replay kernels: 1, 2, 4, 8 buffered entries loaded together per step of the fold loop
     fold_dot          replay kernels: fold by one tensor-core product instead of the loop
@@ -288,7 +290,7 @@ def derive_space(kind: KernelKind, shape: TargetShape, batch: int, traits: SpecT
         Parameter("route", tuple(r.value for r in Route) if replay else (Route.OUTPUT_ONLY.value,), Scale.CATEGORICAL),
         Parameter("flush_at", tuple(range(1, shape.capacity + 1)) if decode else (0, 1) if verify else (0,), Scale.LINEAR),
         Parameter("precompute_scores", both if replay and scores else (False,), Scale.CATEGORICAL),
-        Parameter("fused_flush", both if decode else (True,), Scale.CATEGORICAL),
+        Parameter("fused_flush", both if decode or (verify and key_tiles and traits.output_only_key_tiles) else (True,), Scale.CATEGORICAL),
         Parameter("prefetch_ring", both if replay else (True,), Scale.CATEGORICAL),
         Parameter("fold_chunk", FOLD_CHUNKS if replay else (4,), Scale.LOG2),
         Parameter("fold_dot", both if replay and shape.rank == 1 else (False,), Scale.CATEGORICAL),
