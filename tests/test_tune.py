@@ -90,12 +90,12 @@ def test_space_of_the_main_shape(mamba2):
     assert len(baseline.candidates()) == 30  # 32 points, block_v=64 on one warp spills
     verify = {"block_v", "num_warps", "num_stages", "max_registers", "route", "flush_at", "prefetch_ring", "fold_chunk", "fold_dot", "fold_precision", "block_k",
               "precompute_scores", "readout_dot", "readout_precision", "evict_state", "overlap_scores", "window_block_v", "window_warps", "early_launch", "prefetch_fold_keys",
-              "early_commit"}
+              "early_commit", "fused_flush"}
     assert {p.name for p in derive_space(RV, shape, 8).free} == verify
     assert dict((p.name, p.choices) for p in derive_space(RV, shape, 8).parameters)["window_block_v"] == (0, 16, 32, 64)
     assert dict((p.name, p.choices) for p in derive_space(RV, shape, 8).parameters)["flush_at"] == (0, 1)  # the flush rule alone, or every step
     assert dict((p.name, p.choices) for p in derive_space(RV, shape, 8).parameters)["block_k"] == (0, 32, 64)
-    assert {p.name for p in derive_space(RV, shape, 8, SpecTraits(channel_decay=True)).free} == verify - {"precompute_scores", "overlap_scores", "window_block_v", "window_warps"}
+    assert {p.name for p in derive_space(RV, shape, 8, SpecTraits(channel_decay=True)).free} == verify - {"precompute_scores", "overlap_scores", "window_block_v", "window_warps", "fused_flush"}
 
 
 def test_pruning_rules(mamba2):
@@ -779,12 +779,14 @@ def test_a_trial_line_names_the_key_tiles_and_the_fold_operands(mamba2):
     """The key-tiled structures differ from the whole-key kernels by block_k, num_stages and the fold's operands: a
     progress line that drops them shows two different kernels as the same config."""
     shape = mamba2.shape("nemotron-h-mtp")
-    state_route, readout_product, output_only = replay_verify_structures(shape, spec_traits(mamba2, shape))
+    state_route, readout_product, output_only, in_loop, flush_launch = replay_verify_structures(shape, spec_traits(mamba2, shape))
     tiled = describe(state_route, RV)
     assert f"bk={state_route.block_k}" in tiled and f"stages={state_route.num_stages}" in tiled
     assert f"dot {state_route.fold_precision}" in tiled
     assert "bk=" not in describe(replace(output_only, block_k=0), RV) and "stages=2" in describe(output_only, RV)
     assert "readout-dot key_buffer" in describe(readout_product, RV)
+    assert "scores" not in describe(in_loop, RV) and "flush-launch" not in describe(in_loop, RV)
+    assert describe(flush_launch, RV) == describe(in_loop, RV).replace(" readout-dot", " flush-launch readout-dot")
 
 
 # --- the evaluator -----------------------------------------------------------------------------
@@ -1038,12 +1040,12 @@ def test_every_search_also_starts_from_the_other_buckets_defaults(mamba2, tmp_pa
     traits = spec_traits(mamba2, shape)
     defaults = list(dict.fromkeys(default_config(RV, shape, b, traits) for b in BATCH_BUCKETS))
     structures = replay_verify_structures(shape, traits)
-    assert len(defaults) == 3 and len(structures) == 3
-    results, store, _ = run(mamba2, tmp_path, (RV,), (batch,), trials=6)
+    assert len(defaults) == 3 and len(structures) == 5
+    results, store, _ = run(mamba2, tmp_path, (RV,), (batch,), trials=8)
     (verify,) = results
     own = default_config(RV, shape, batch, traits)
     assert verify.default.config == own
-    assert [t.config for t in store.trials if t.key.kind is RV][:6] == [own, *structures, *(c for c in defaults if c != own)]
+    assert [t.config for t in store.trials if t.key.kind is RV][:8] == [own, *structures, *(c for c in defaults if c != own)]
 
 
 def as_earlier_code(trials):

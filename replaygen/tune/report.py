@@ -29,6 +29,8 @@ def describe(config: KernelConfig, kind: KernelKind) -> str:
         text += f" in {config.flush_groups} groups" if config.flush_groups > 1 else ""
     if kind is KernelKind.REPLAY_VERIFY and config.route is not Route.OUTPUT_ONLY:
         text += f" {config.route.value}"
+    if kind is KernelKind.REPLAY_VERIFY and not config.fused_flush:
+        text += " flush-launch"
     if config.window_block_v:
         text += f" split window bv={config.window_block_v} w={config.window_warps}"
     if kind in REPLAY_KINDS:
