@@ -398,7 +398,8 @@ def replay_verify_structures(shape: TargetShape, traits: SpecTraits = SpecTraits
     state so); the output-only route on precomputed scores overlapped with the verify kernel, two pipeline stages
     (a flush folds by the same product); and the output-only route with no scores kernel, its entries scored in the
     key loop and every readout by one product in the buffers' dtype, in one launch and with the flushing rows in a
-    second launch (fused_flush off: the PR's verify structure); for a decay per key channel the two state routes alone. None where key tiles cannot run."""
+    second launch (fused_flush off: the PR's verify structure); for a decay per key channel the two state routes
+    alone. None where key tiles cannot run."""
     tiled = key_tiled_state_route(shape, traits)
     if tiled is None:
         return ()
