@@ -48,6 +48,21 @@ def test_the_default_above_batch_8_is_the_baseline_step():
     assert all(c.flush_at != 1 for c in structures)
 
 
+def test_the_verify_default_above_batch_1_is_the_key_tiled_state_route():
+    """The whole-key verify reads every entry through every key channel per program: 11.7-15.6x the key-tiled state
+    route with readouts by product on the H100 (perf.md 78). Above batch 1 the default is that route; a shape whose key
+    tiles cannot run keeps the whole-key default."""
+    from replaygen.configs import default_configs, spec_traits
+
+    main = KDA.shape("kimi-linear-mtp")
+    single, large = default_configs(KernelKind.REPLAY_VERIFY, main, spec_traits(KDA, main))
+    assert single.max_batch == 1 and single.config.block_k == 0
+    assert large.max_batch is None and large.config.block_k == 64 and large.config.route is Route.STATE_AND_OUTPUT
+    assert large.config.readout_dot and large.config.readout_precision == "key_buffer"
+    narrow = replace(main, key_dim=16)
+    assert all(b.config.block_k == 0 for b in default_configs(KernelKind.REPLAY_VERIFY, narrow, spec_traits(KDA, narrow)))
+
+
 TILED = replace(SHAPE, key_dim=32, value_dim=16)  # two key slices of 16, one block of 16 value rows
 STATE_TILES = KernelConfig(block_v=16, block_k=16, num_warps=1, num_stages=2, route=Route.STATE_AND_OUTPUT, fold_dot=True)
 
