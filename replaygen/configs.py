@@ -233,15 +233,16 @@ def validate_config(kind: KernelKind, shape: TargetShape, config: KernelConfig) 
             raise UnsupportedShapeError(f"{kind.value}: block_k runs buffering steps; flush_at=1 runs the baseline's step on the whole key axis (block_k=0)")
         if kind is KernelKind.REPLAY_VERIFY and config.window_block_v:
             raise UnsupportedShapeError(f"{kind.value}: block_k runs the verify in one launch; window_block_v (the split verify) runs the whole key axis")
-        if kind is KernelKind.REPLAY_VERIFY and not config.fused_flush and config.route is not Route.OUTPUT_ONLY:
-            raise UnsupportedShapeError(f"{kind.value}: a separate flush launch (fused_flush off) runs the output-only route; the state route folds in every launch")
         if kind is KernelKind.REPLAY_VERIFY and config.route is Route.OUTPUT_ONLY and not (config.precompute_scores or config.readout_dot):
             raise UnsupportedShapeError(
                 f"{kind.value}: the key-tiled output-only verify reads the entries' scores precomputed or by the readout products:"
                 " block_k needs precompute_scores, readout_dot or the state_and_output route"
             )
-    if kind is KernelKind.REPLAY_VERIFY and not config.fused_flush and not config.block_k:
-        raise UnsupportedShapeError(f"{kind.value}: a separate flush launch (fused_flush off) runs the key-tiled verify: it needs block_k")
+    if kind is KernelKind.REPLAY_VERIFY and not config.fused_flush:
+        if not config.block_k:
+            raise UnsupportedShapeError(f"{kind.value}: a separate flush launch (fused_flush off) runs the key-tiled verify: it needs block_k")
+        if config.route is not Route.OUTPUT_ONLY:
+            raise UnsupportedShapeError(f"{kind.value}: a separate flush launch (fused_flush off) runs the output-only route; the state route folds in every launch")
     if config.readout_dot and (config.block_v < MIN_DOT or (not config.block_k and not config.precompute_scores)):
         raise UnsupportedShapeError(
             f"{kind.value}: readout_dot needs block_v >= {MIN_DOT} (tl.dot) and, on the whole key axis (block_k=0), precompute_scores,"
