@@ -178,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
         "one, else under Triton's interpreter at reduced sizes (as check does; its float32 -> bfloat16 convert "
         "truncates, so bfloat16 round-to-nearest is then not what the GPU does)."))
     _add_spec(p)
-    p.add_argument("--variants", default=",".join(VARIANT_NAMES), help=f"comma-separated precision choices (default: all of {','.join(VARIANT_NAMES)})")
+    p.add_argument("--variants", default=",".join(VARIANT_NAMES), help=f"comma-separated precision choices (default: all of {','.join(VARIANT_NAMES)}); a state choice joined with +float32-buffers runs both, e.g. bfloat16+float32-buffers")
     p.add_argument("--steps", default="1000,10000", help="comma-separated step counts to report at; the last is the run's length (default: 1000,10000)")
     p.add_argument("--batch", type=int, default=32, help="sequences (default: 32)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help=DTYPE_HELP)

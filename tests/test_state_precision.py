@@ -4,6 +4,7 @@ The interpreter's float32 -> bfloat16 convert truncates (the GPU's rounds to nea
 states are checked on the GPU; float16 converts round to nearest in both places.
 """
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -238,8 +239,12 @@ def test_precision_variants():
     assert precision_variant(spec, shape, "float16").rounding is Rounding.NEAREST
     wide = precision_variant(spec, shape, "float32-buffers")
     assert {c.field: c.dtype for c in spec.cache_of(wide)} == {CacheField.CORRECTED_VALUE: DType.FLOAT32, CacheField.KEY: DType.FLOAT32, CacheField.LOG_DECAY: DType.FLOAT32}
-    with pytest.raises(ValueError, match="unknown precision variant 'float8'"):
-        precision_variant(spec, shape, "float8")
+    both = precision_variant(spec, shape, "bfloat16+float32-buffers")
+    assert (both.state_dtype, both.rounding, both.name) == (DType.BFLOAT16, Rounding.NEAREST, "qwen3.5-f32buf-bfloat16")
+    assert {c.field: c.dtype for c in spec.cache_of(both)} == {c.field: c.dtype for c in spec.cache_of(wide)}
+    for name in ("float8", "float32-buffers+float32-buffers", "bfloat16+float16", "bfloat16+"):
+        with pytest.raises(ValueError, match=f"unknown precision variant '{re.escape(name)}'"):
+            precision_variant(spec, shape, name)
 
 
 def test_drift_replay_rounds_less_often_than_the_baseline():
