@@ -158,6 +158,20 @@ def test_stochastic_rounding_is_reproducible_and_fresh(stochastic):
     assert torch.equal(state.checkpoint[1].float().cpu(), first[1]) and state.rounding.steps.eq(1).all()
 
 
+@pytest.mark.parametrize("key_dim", [16, 20], ids=["key-dim-16", "key-dim-20-padded"])
+def test_stochastic_bits_do_not_depend_on_the_programs_block_of_rows(key_dim):
+    """One Philox call serves four consecutive key positions of a row: the bits of every value are the same whatever
+    block of value rows and warps a program runs, also where key_dim is not a multiple of the tile (padded columns
+    draw counters of their own), and the rounding still goes up and down across the state."""
+    spec = spec_named("mamba2")
+    shape = replace(SHAPE, value_dim=16, key_dim=key_dim, state_dtype=DType.BFLOAT16, rounding=Rounding.STOCHASTIC)
+    modules = [load_kernels(spec, shape, {KernelKind.LOAD: (BucketConfig(None, KernelConfig(block_v=block_v, num_warps=warps)),)}) for block_v, warps in ((8, 1), (16, 4))]
+    x = torch.full((1, *modules[0].STATE_SHAPE), 1.0 + 0.5 * GRID_STEP[torch.bfloat16])
+    first, second = (loaded(module, x, seed=3)[1] for module in modules)
+    assert torch.equal(first, second)
+    assert set(first.unique().tolist()) == {1.0, 1.0 + GRID_STEP[torch.bfloat16]}
+
+
 def test_every_state_writing_kernel_counts_its_rows(stochastic):
     spec, shape, module = stochastic
     factory = InputFactory(spec, shape, DEVICE, torch.bfloat16, 3)
