@@ -297,7 +297,8 @@ def default_configs(kind: KernelKind, shape: TargetShape, traits: SpecTraits = S
       decode kernel, the state streamed evict-first, every row's flush on the same steps (align_flushes, where the
       scores kernel runs) in two groups of slots half a period apart.
     - replay verify: batch 1, the state route over 8 value rows and one warp, no scores launch; above, for a decay
-      per key channel, the key-tiled state route reading each slice by one product in the buffers' dtype; up to batch 8, one
+      per key channel, the key-tiled state route (for the delta rule reading each slice by one product in the
+      buffers' dtype, as its fold; the additive rule keeps float32 readouts); up to batch 8, one
       warp per 16 value rows, output-only with precomputed scores overlapped, evict-first; above, the same with the
       fold two entries at a time and, for the delta rule, the split verify (its window half over 64 value rows, one
       warp, the ring read only where live) or otherwise a 128-register cap (key_dim <= 128).
@@ -318,7 +319,8 @@ def default_configs(kind: KernelKind, shape: TargetShape, traits: SpecTraits = S
         small = KernelConfig(block_v=min(16, cap), num_warps=1, precompute_scores=scores, overlap_scores=scores, evict_state=True)
         tiled = key_tiled_state_route(shape, traits) if traits.channel_decay else None
         if tiled is not None:
-            return (single, BucketConfig(None, replace(tiled, readout_dot=True, readout_precision="key_buffer")))
+            by_product = replace(tiled, readout_dot=True, readout_precision="key_buffer") if traits.delta_rule else tiled
+            return (single, BucketConfig(None, by_product))
         if not scores:
             return (single, BucketConfig(None, small))
         if traits.delta_rule:

@@ -61,6 +61,9 @@ def test_the_verify_default_above_batch_1_is_the_key_tiled_state_route():
     assert large.config.readout_dot and large.config.readout_precision == "key_buffer"
     narrow = replace(main, key_dim=16)
     assert all(b.config.block_k == 0 for b in default_configs(KernelKind.REPLAY_VERIFY, narrow, spec_traits(KDA, narrow)))
+    additive = replace(spec_traits(KDA, main), delta_rule=False)
+    large = default_configs(KernelKind.REPLAY_VERIFY, main, additive)[-1].config
+    assert large.block_k == 64 and not large.readout_dot and large.fold_precision == "tf32x3"
 
 
 TILED = replace(SHAPE, key_dim=32, value_dim=16)  # two key slices of 16, one block of 16 value rows
