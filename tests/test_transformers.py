@@ -1,6 +1,7 @@
 """HF transformers models decoding through replaygen (replaygen.integrations.transformers), on tiny randomly
 initialised configs of each supported class: greedy tokens and logits as HF's own `generate`, the speculative loop's
-tokens as greedy decoding's, and a rejected draft leaving every state as if it never ran."""
+tokens as greedy decoding's, and a rejected draft leaving every state as if it never ran; on the replay kernels, and
+for some models on the modules' baseline kernels (`kernels="baseline"`) too."""
 
 import os
 import subprocess
@@ -106,6 +107,12 @@ MODELS = {
 }
 
 
+def _kernels(names, baseline) -> list[tuple[str, str]]:
+    """(model, kernels) cases: every model of `names` on the replay kernels, those of `baseline` on the baseline
+    kernels too (one Mamba-2 and one delta-rule model or so: the runtime's path is the family's in both)."""
+    return [(name, "replay") for name in names] + [(name, "baseline") for name in baseline]
+
+
 def _model(name: str):
     torch.manual_seed(0)
     return MODELS[name]().to(DEVICE).eval()
@@ -121,13 +128,14 @@ def _hf_greedy(model, prompts: torch.Tensor):
     return out.sequences[:, prompts.shape[1] :], torch.stack(out.logits, dim=1)
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
-def test_greedy_generation_is_hf_greedy_generation(name):
-    """32 greedy tokens through the replay kernels (L=8: several flushes) are HF's, each from logits within 1e-4."""
+@pytest.mark.parametrize("name, kernels", _kernels(sorted(MODELS), ["nemotron_h", "qwen3_5", "kimi_linear"]))
+def test_greedy_generation_is_hf_greedy_generation(name, kernels):
+    """32 greedy tokens through the replay kernels (L=8: several flushes), or the baseline kernels, are HF's, each
+    from logits within 1e-4."""
     model, prompts = _model(name), _prompts()
     tokens, logits = _hf_greedy(model, prompts)
     assert len(set(tokens[0].tolist())) > 4, "the random model repeats itself: the check would be weak"
-    runtime = attach(model, capacity=8, window=4)
+    runtime = attach(model, capacity=8, window=4, kernels=kernels)
     assert runtime.layers, "no recurrent layer was attached"
     ours = runtime.generate(prompts, NEW_TOKENS)
     assert torch.equal(ours.tokens, tokens)
@@ -154,12 +162,12 @@ def _drafts_right_up_to(greedy: torch.Tensor, prompt_lengths: list[int]):
     return drafter
 
 
-@pytest.mark.parametrize("name", ["mamba2", "qwen3_next", "falcon_h1"])
-def test_speculative_generation_gives_greedy_tokens_in_fewer_steps(name):
+@pytest.mark.parametrize("name, kernels", _kernels(["mamba2", "qwen3_next", "falcon_h1"], ["mamba2", "qwen3_next"]))
+def test_speculative_generation_gives_greedy_tokens_in_fewer_steps(name, kernels):
     """Windows of 4 verified and committed (the attention KV cropped after rejections), drafts accepted 0 to 3 at
     a time: the tokens and logits of greedy decoding, in fewer steps."""
     model, prompts = _model(name), _prompts()
-    runtime = attach(model, capacity=8, window=4)
+    runtime = attach(model, capacity=8, window=4, kernels=kernels)
     greedy = runtime.generate(prompts, NEW_TOKENS)
     speculative = runtime.generate(prompts, NEW_TOKENS, draft_tokens=3, drafter=_drafts_right_up_to(greedy.tokens, [prompts.shape[1]] * 2))
     assert torch.equal(speculative.tokens, greedy.tokens)
@@ -167,19 +175,21 @@ def test_speculative_generation_gives_greedy_tokens_in_fewer_steps(name):
     assert speculative.steps < (NEW_TOKENS - 1) / 2
 
 
-def test_prompt_lookup_speculation_gives_greedy_tokens():
-    """Prompt-lookup drafts in windows of 2 (one draft): greedy decoding's tokens."""
+@pytest.mark.parametrize("kernels, window", [("replay", 2), ("baseline", 4)])
+def test_prompt_lookup_speculation_gives_greedy_tokens(kernels, window):
+    """Prompt-lookup drafts in windows of 2 (one draft): greedy decoding's tokens; the baseline's snapshots of a
+    window of 4 take the windows of 2 padded."""
     model, prompts = _model("bamba"), _prompts()
-    runtime = attach(model, capacity=8, window=2)
+    runtime = attach(model, capacity=8, window=window, kernels=kernels)
     assert torch.equal(runtime.generate(prompts, 8, draft_tokens=1).tokens, runtime.generate(prompts, 8).tokens)
 
 
-@pytest.mark.parametrize("name", ["nemotron_h", "qwen3_5", "kimi_linear"])
-def test_a_rejected_draft_leaves_the_states_as_if_it_never_ran(name):
+@pytest.mark.parametrize("name, kernels", _kernels(["nemotron_h", "qwen3_5", "kimi_linear"], ["nemotron_h", "qwen3_5"]))
+def test_a_rejected_draft_leaves_the_states_as_if_it_never_ran(name, kernels):
     """verify of a window then commit of 2 of its 4 tokens: recurrent states, conv inputs, attention KV and the
     next logits as after decoding those 2 tokens alone."""
     model, prompts = _model(name), _prompts()
-    runtime = attach(model, capacity=8, window=4)
+    runtime = attach(model, capacity=8, window=4, kernels=kernels)
     window = torch.randint(1, 64, (2, 4), generator=torch.Generator().manual_seed(2)).to(DEVICE)
     stepped, verified = runtime.start(prompts), runtime.start(prompts)
     for _ in range(5):  # past the first flush of the decode path's buffer
@@ -242,6 +252,8 @@ def test_misuse_is_refused_with_a_clear_error():
     llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON, **ATTENTION, num_hidden_layers=1, intermediate_size=64))
     with pytest.raises(ReplaygenError, match="no recurrent mixer"):
         attach(llama)
+    with pytest.raises(ValueError, match="kernels='snapshots': one of 'replay', 'baseline'"):
+        attach(model, kernels="snapshots")
 
 
 def test_prompt_lookup_proposes_what_followed_the_latest_match():

@@ -3,6 +3,7 @@
     runtime = attach(model, capacity=16, window=4)      # one generated module per recurrent layer shape
     out = runtime.generate(input_ids, 32)               # greedy decoding through the replay kernels
     out = runtime.generate(input_ids, 32, draft_tokens=3)   # prompt-lookup speculation, windows of 4
+    baseline = attach(model, capacity=16, window=4, kernels=Kernels.BASELINE)   # the same modules' baseline kernels
 
 The prompt runs through HF's own path (its chunked scan) into an HF cache; each recurrent layer's final state then
 seeds its replay state (`load`) and its last conv inputs its conv state (`load_conv`). Every later token keeps HF's
@@ -10,7 +11,8 @@ projections, gates, norms and output projections; the short causal conv1d and th
 module (its spec carries the mixer's conv): `conv` and `decode` per token, or `conv` and `verify` of a window and
 `commit_conv` and `commit` of its accepted prefix. A rejected draft costs nothing to undo: the replay state's and the
 conv state's cursors keep only the accepted tokens, and the attention layers' KV cache (HF's) is cropped by the
-rejected ones.
+rejected ones. With `kernels=Kernels.BASELINE` the recurrence runs the modules' baseline kernels instead, on full
+states as serving engines keep them today (`BaselineStates`): the comparison point of the same model and loop.
 
 HF's Mamba-2 mixers (mamba2, nemotron_h, bamba, falcon_h1, granitemoehybrid, zamba2) call two functions of their
 modeling module, `causal_conv1d_forward` and `mamba2_scan_forward` (HF's points for a runtime that keeps the state
@@ -44,6 +46,113 @@ class Mode(enum.Enum):
     PREFILL = "prefill"  # HF's own path, into its cache
     DECODE = "decode"  # one token per sequence: `decode`
     VERIFY = "verify"  # a window of tokens per sequence: `verify`, then `commit`
+
+
+@dataclass(frozen=True)
+class ReplayStates:
+    """One recurrent layer's replay state for a session's slots (the module's `allocate`): a checkpoint and a ring
+    of recent inputs per slot; `commit` moves the ring's cursor."""
+
+    module: ModuleType
+    state: object  # the module's ReplayState
+
+    @classmethod
+    def load(cls, module: ModuleType, slots: torch.Tensor, states: torch.Tensor, activation_dtype: torch.dtype, window: int) -> "ReplayStates":
+        """The prompts' final states [b, *STATE_SHAPE] float32 as the checkpoints of `slots` [b], rings empty."""
+        state = module.allocate(slots.shape[0], slots.device, activation_dtype)
+        module.load(state, slots, states)
+        return cls(module, state)
+
+    def decode(self, slots: torch.Tensor, inputs: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One token per slot, inputs [b, ...] -> [b, heads, value_dim]."""
+        return self.module.decode(self.state, slots, **inputs, **weights)
+
+    def verify(self, slots: torch.Tensor, inputs: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A window per slot, inputs [b, t, ...] (t <= T) -> [b, t, heads, value_dim]; kept by `commit`."""
+        return self.module.verify(self.state, slots, **inputs, **weights)
+
+    def commit(self, slots: torch.Tensor, accepted: torch.Tensor, num_tokens: int) -> None:
+        """Keep accepted [b] (1..num_tokens) tokens of the last window of `num_tokens`."""
+        self.module.commit(self.state, slots, accepted, num_tokens=num_tokens)
+
+    def materialize(self, slots: torch.Tensor) -> torch.Tensor:
+        """The slots' current states [b, *STATE_SHAPE]."""
+        return self.module.materialize(self.state, slots)
+
+
+@dataclass(frozen=True)
+class BaselineStates:
+    """One recurrent layer's baseline state for a session's slots, as the module's `baseline_verify` keeps it
+    (`allocate_snapshots`): T full-state snapshots per slot, snapshots [slots, T, *STATE_SHAPE], and the committed
+    one's index, current [slots] int32. Decode advances the committed snapshot in place (`baseline_decode` on the
+    snapshots viewed as [slots * T, *STATE_SHAPE], row slot * T + current); verify writes one snapshot per window
+    token, commit points `current` at the last accepted one (`baseline_commit`)."""
+
+    module: ModuleType
+    snapshots: torch.Tensor
+    current: torch.Tensor
+
+    @classmethod
+    def load(cls, module: ModuleType, slots: torch.Tensor, states: torch.Tensor, activation_dtype: torch.dtype, window: int) -> "BaselineStates":
+        """The prompts' final states [b, *STATE_SHAPE] as the committed snapshots (index 0) of `slots` [b]."""
+        snapshots, current = module.allocate_snapshots(slots.shape[0], slots.device, window)
+        snapshots[slots.long(), 0] = states.to(snapshots.dtype)
+        return cls(module, snapshots, current)
+
+    def decode(self, slots: torch.Tensor, inputs: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One token per slot on its committed snapshot, inputs [b, ...] -> [b, heads, value_dim]."""
+        window = self.snapshots.shape[1]
+        rows = (slots.long() * window + self.current[slots.long()]).to(torch.int32)
+        return self.module.baseline_decode(self.snapshots.flatten(0, 1), rows, **inputs, **weights)
+
+    def verify(self, slots: torch.Tensor, inputs: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A window per slot, inputs [b, t, ...] -> [b, t, heads, value_dim]. The snapshots hold T tokens per slot,
+        so a shorter window (t < T) runs padded to T with zero inputs after its tokens (outputs and snapshots past t
+        are dropped: `commit` keeps at most t)."""
+        tokens = next(iter(inputs.values())).shape[1]
+        padded = _padded_tokens(inputs, self.snapshots.shape[1])
+        return self.module.baseline_verify(self.snapshots, self.current, slots, **padded, **weights)[:, :tokens]
+
+    def commit(self, slots: torch.Tensor, accepted: torch.Tensor, num_tokens: int) -> None:
+        """Keep accepted [b] (1..num_tokens) tokens of the last window: the committed snapshot becomes the last kept one's."""
+        self.module.baseline_commit(self.current, slots, accepted, num_tokens=num_tokens)
+
+    def materialize(self, slots: torch.Tensor) -> torch.Tensor:
+        """The slots' committed snapshots [b, *STATE_SHAPE] (a copy)."""
+        return self.snapshots[slots.long(), self.current[slots.long()].long()]
+
+
+def _padded_tokens(inputs: dict[str, torch.Tensor], tokens: int) -> dict[str, torch.Tensor]:
+    """Inputs [b, t, ...] with zeros after their t tokens up to `tokens` (as they are where t = tokens)."""
+    return {
+        name: t if t.shape[1] == tokens else torch.cat([t, t.new_zeros((t.shape[0], tokens - t.shape[1], *t.shape[2:]))], dim=1)
+        for name, t in inputs.items()
+    }
+
+
+RecurrentStates = ReplayStates | BaselineStates
+
+
+class Kernels(enum.Enum):
+    """Which of a generated module's kernels a runtime's recurrent layers run."""
+
+    REPLAY = "replay"  # checkpoint and ring (`decode`, `verify`, `commit`): `ReplayStates`
+    BASELINE = "baseline"  # full states, a snapshot per window token (`baseline_decode`, ...): `BaselineStates`
+
+    @classmethod
+    def named(cls, value: "Kernels | str") -> "Kernels":
+        """`value` as a Kernels (a member or its value); anything else is refused naming the choices."""
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"kernels={value!r}: one of {', '.join(repr(k.value) for k in cls)}") from None
+
+    @property
+    def states(self) -> type[ReplayStates] | type[BaselineStates]:
+        """The per-layer session state these kernels run on."""
+        return {Kernels.REPLAY: ReplayStates, Kernels.BASELINE: BaselineStates}[self]
 
 
 @dataclass(frozen=True)
@@ -354,11 +463,15 @@ def shape_name(family, mixer: torch.nn.Module, capacity: int, window: int) -> st
     return f"h{entry['heads']}-g{entry['key_heads']}-v{entry['value_dim']}-k{entry['key_dim']}-l{capacity}-t{window}-w{mixer.conv1d.kernel_size[0]}"
 
 
-def attach(model: torch.nn.Module, capacity: int = 16, window: int = 4, gpu: str | None = None) -> "ReplayRuntime":
+def attach(
+    model: torch.nn.Module, capacity: int = 16, window: int = 4, gpu: str | None = None, kernels: Kernels | str = Kernels.REPLAY
+) -> "ReplayRuntime":
     """A runtime for `model`'s recurrent layers: one module per distinct layer shape, at ring capacity L and
     speculative window T. With `gpu`, a layer shape that a shipped spec ships (the same sizes, L, T, layout and
     dtypes) runs that shape's tuned configs of tune/<gpu>/ (the shipped module's kernels, the mixer's conv beside
-    them); every other kernel runs its documented defaults."""
+    them); every other kernel runs its documented defaults. `kernels` picks the modules' replay kernels or their
+    baseline kernels (`Kernels`, or its value "replay" / "baseline")."""
+    kernels = Kernels.named(kernels)
     mixers = recurrent_mixers(model)
     if not mixers:
         raise ReplaygenError(
@@ -372,7 +485,7 @@ def attach(model: torch.nn.Module, capacity: int = 16, window: int = 4, gpu: str
         if (family.spec_name, name) not in modules:
             modules[(family.spec_name, name)] = _layer_module(family, mixer, name, capacity, window, gpu, f"{type(model).__name__} layer {mixer.layer_idx}")
         layers.append(RecurrentLayer(mixer.layer_idx, mixer, family, modules[(family.spec_name, name)]))
-    return ReplayRuntime(model, tuple(layers), capacity, window)
+    return ReplayRuntime(model, tuple(layers), capacity, window, kernels)
 
 
 def _layer_module(family, mixer: torch.nn.Module, name: str, capacity: int, window: int, gpu: str | None, where: str) -> ModuleType:
@@ -407,14 +520,15 @@ class Generation:
 
 
 class ReplayRuntime:
-    """An HF causal LM with its recurrent layers on replay kernels: `start` a batch of prompts, then step it
-    (`DecodeSession`), or `generate` greedily."""
+    """An HF causal LM with its recurrent layers on generated kernels (replay, or `kernels` BASELINE): `start` a
+    batch of prompts, then step it (`DecodeSession`), or `generate` greedily."""
 
-    def __init__(self, model: torch.nn.Module, layers: tuple[RecurrentLayer, ...], capacity: int, window: int):
+    def __init__(self, model: torch.nn.Module, layers: tuple[RecurrentLayer, ...], capacity: int, window: int, kernels: Kernels = Kernels.REPLAY):
         self.model = model
         self.layers = layers
         self.capacity = capacity
         self.window = window
+        self.kernels = kernels
         self.mode = Mode.PREFILL
         self.session: DecodeSession | None = None  # the session whose step runs now
         self._takes_positions = "position_ids" in inspect.signature(model.forward).parameters
@@ -431,15 +545,15 @@ class ReplayRuntime:
 
     def run_recurrence(self, layer: RecurrentLayer, inputs: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> torch.Tensor:
         """The recurrence of `layer` on inputs [b, s, ...] -> [b, s, heads, value_dim]: decode (s = 1) or verify."""
-        state, slots = self.session.replay[layer.index], self.session.slots
+        states, slots = self.session.recurrent[layer.index], self.session.slots
         if self.mode is Mode.DECODE:
-            return layer.module.decode(state, slots, **{k: v[:, 0].contiguous() for k, v in inputs.items()}, **weights)[:, None]
-        return layer.module.verify(state, slots, **{k: v.contiguous() for k, v in inputs.items()}, **weights)
+            return states.decode(slots, {k: v[:, 0].contiguous() for k, v in inputs.items()}, weights)[:, None]
+        return states.verify(slots, {k: v.contiguous() for k, v in inputs.items()}, weights)
 
     # --- decoding -------------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def stepping(self, session: "DecodeSession", mode: Mode) -> Iterator[None]:
-        """The model's recurrent layers on `session`'s replay states for one forward."""
+        """The model's recurrent layers on `session`'s states for one forward."""
         self.session, self.mode = session, mode
         try:
             with contextlib.ExitStack() as stack:
@@ -511,8 +625,9 @@ class ReplayRuntime:
 
 
 class DecodeSession:
-    """A batch of sequences after their prompts: per recurrent layer a replay state and a conv state, HF's cache
-    for the attention layers. `decode` one token per sequence, or `verify` a window and `commit` its prefix."""
+    """A batch of sequences after their prompts: per recurrent layer its states (`RecurrentStates` of the runtime's
+    kernels) and a conv state, HF's cache for the attention layers. `decode` one token per sequence, or `verify` a
+    window and `commit` its prefix."""
 
     def __init__(self, runtime: ReplayRuntime, cache, mask: torch.Tensor, positions: torch.Tensor, logits: torch.Tensor):
         self.runtime = runtime
@@ -524,14 +639,14 @@ class DecodeSession:
         batch, device = mask.shape[0], mask.device
         dtype = next(runtime.model.parameters()).dtype
         self.slots = torch.arange(batch, dtype=torch.int32, device=device)
-        self.replay, self.conv = {}, {}
+        self.recurrent: dict[int, RecurrentStates] = {}
+        self.conv = {}
         for layer in runtime.layers:
             recurrent, conv_state = cache.get_recurrent_state(layer.index), cache.get_conv_state(layer.index)
             if recurrent is None or conv_state is None:
                 raise ReplaygenError(f"layer {layer.index}: the prompt left no recurrent or conv state in HF's cache")
-            state = layer.module.allocate(batch, device, dtype)
-            layer.module.load(state, self.slots, recurrent.to(torch.float32).contiguous())
-            self.replay[layer.index] = state
+            states = recurrent.to(torch.float32).contiguous()
+            self.recurrent[layer.index] = runtime.kernels.states.load(layer.module, self.slots, states, dtype, runtime.window)
             conv = layer.module.allocate_conv(batch, device, dtype)
             layer.module.load_conv(conv, self.slots, conv_state[..., -(layer.mixer.conv1d.kernel_size[0] - 1) :].to(dtype))
             self.conv[layer.index] = conv
@@ -559,14 +674,15 @@ class DecodeSession:
 
     def commit(self, accepted: int) -> None:
         """Keep the first `accepted` tokens (1..T, the same for every sequence) of the last verified window: the
-        replay and conv cursors move past those tokens, the attention layers drop the others' KV."""
+        recurrent states keep those tokens (replay: the cursor moves; baseline: the committed snapshot), the conv
+        cursor moves past them, the attention layers drop the others' KV."""
         if not self.pending:
             raise ReplaygenError("commit without a verify before it")
         if not 1 <= accepted <= self.pending:
             raise ValueError(f"accepted={accepted}: the last window had {self.pending} tokens (keep 1..{self.pending})")
         for layer in self.runtime.layers:
             counts = torch.full_like(self.slots, accepted)
-            layer.module.commit(self.replay[layer.index], self.slots, counts, num_tokens=self.pending)
+            self.recurrent[layer.index].commit(self.slots, counts, self.pending)
             layer.module.commit_conv(self.conv[layer.index], self.slots, counts, num_tokens=self.pending)
         _crop_attention(self.cache, self.pending - accepted)
         self._keep(accepted)
@@ -576,7 +692,7 @@ class DecodeSession:
         """Per recurrent layer index: its states [b, *STATE_SHAPE] (materialized) and conv inputs [b, channels, W - 1]."""
         self._check_no_pending("states")
         return {
-            layer.index: (layer.module.materialize(self.replay[layer.index], self.slots), layer.module.materialize_conv(self.conv[layer.index], self.slots))
+            layer.index: (self.recurrent[layer.index].materialize(self.slots), layer.module.materialize_conv(self.conv[layer.index], self.slots))
             for layer in self.runtime.layers
         }
 
