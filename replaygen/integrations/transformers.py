@@ -50,10 +50,11 @@ class Mode(enum.Enum):
 
 @dataclass(frozen=True)
 class ReplayStates:
-    """One recurrent layer's replay state for a session's slots (the module's `allocate`): a checkpoint and a ring
-    of recent inputs per slot; `commit` moves the ring's cursor."""
+    """One recurrent layer's replay state for a session's slots [b] (the module's `allocate`): a checkpoint and a
+    ring of recent inputs per slot; `commit` moves the ring's cursor."""
 
     module: ModuleType
+    slots: torch.Tensor
     state: object  # the module's ReplayState
 
     @classmethod
@@ -61,65 +62,68 @@ class ReplayStates:
         """The prompts' final states [b, *STATE_SHAPE] float32 as the checkpoints of `slots` [b], rings empty."""
         state = module.allocate(slots.shape[0], slots.device, activation_dtype)
         module.load(state, slots, states)
-        return cls(module, state)
+        return cls(module, slots, state)
 
-    def decode(self, slots: torch.Tensor, inputs: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> torch.Tensor:
+    def decode(self, inputs: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> torch.Tensor:
         """One token per slot, inputs [b, ...] -> [b, heads, value_dim]."""
-        return self.module.decode(self.state, slots, **inputs, **weights)
+        return self.module.decode(self.state, self.slots, **inputs, **weights)
 
-    def verify(self, slots: torch.Tensor, inputs: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> torch.Tensor:
+    def verify(self, inputs: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> torch.Tensor:
         """A window per slot, inputs [b, t, ...] (t <= T) -> [b, t, heads, value_dim]; kept by `commit`."""
-        return self.module.verify(self.state, slots, **inputs, **weights)
+        return self.module.verify(self.state, self.slots, **inputs, **weights)
 
-    def commit(self, slots: torch.Tensor, accepted: torch.Tensor, num_tokens: int) -> None:
+    def commit(self, accepted: torch.Tensor, num_tokens: int) -> None:
         """Keep accepted [b] (1..num_tokens) tokens of the last window of `num_tokens`."""
-        self.module.commit(self.state, slots, accepted, num_tokens=num_tokens)
+        self.module.commit(self.state, self.slots, accepted, num_tokens=num_tokens)
 
-    def materialize(self, slots: torch.Tensor) -> torch.Tensor:
+    def materialize(self) -> torch.Tensor:
         """The slots' current states [b, *STATE_SHAPE]."""
-        return self.module.materialize(self.state, slots)
+        return self.module.materialize(self.state, self.slots)
 
 
 @dataclass(frozen=True)
 class BaselineStates:
-    """One recurrent layer's baseline state for a session's slots, as the module's `baseline_verify` keeps it
+    """One recurrent layer's baseline state for a session's slots [b], as the module's `baseline_verify` keeps it
     (`allocate_snapshots`): T full-state snapshots per slot, snapshots [slots, T, *STATE_SHAPE], and the committed
-    one's index, current [slots] int32. Decode advances the committed snapshot in place (`baseline_decode` on the
-    snapshots viewed as [slots * T, *STATE_SHAPE], row slot * T + current); verify writes one snapshot per window
-    token, commit points `current` at the last accepted one (`baseline_commit`)."""
+    one's index, current [slots] int32. Decode advances the committed snapshots in place: `baseline_decode` on the
+    snapshots viewed as [slots * T, *STATE_SHAPE] at rows [b] = slot * T + current (kept beside, changed by `commit`
+    only, so a decode step launches nothing else). Verify writes one snapshot per window token, commit points
+    `current` at the last accepted one (`baseline_commit`)."""
 
     module: ModuleType
+    slots: torch.Tensor
     snapshots: torch.Tensor
     current: torch.Tensor
+    rows: torch.Tensor
 
     @classmethod
     def load(cls, module: ModuleType, slots: torch.Tensor, states: torch.Tensor, activation_dtype: torch.dtype, window: int) -> "BaselineStates":
         """The prompts' final states [b, *STATE_SHAPE] as the committed snapshots (index 0) of `slots` [b]."""
         snapshots, current = module.allocate_snapshots(slots.shape[0], slots.device, window)
         snapshots[slots.long(), 0] = states.to(snapshots.dtype)
-        return cls(module, snapshots, current)
+        return cls(module, slots, snapshots, current, (slots * window).to(torch.int32))
 
-    def decode(self, slots: torch.Tensor, inputs: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> torch.Tensor:
+    def decode(self, inputs: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> torch.Tensor:
         """One token per slot on its committed snapshot, inputs [b, ...] -> [b, heads, value_dim]."""
-        window = self.snapshots.shape[1]
-        rows = (slots.long() * window + self.current[slots.long()]).to(torch.int32)
-        return self.module.baseline_decode(self.snapshots.flatten(0, 1), rows, **inputs, **weights)
+        return self.module.baseline_decode(self.snapshots.flatten(0, 1), self.rows, **inputs, **weights)
 
-    def verify(self, slots: torch.Tensor, inputs: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> torch.Tensor:
+    def verify(self, inputs: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> torch.Tensor:
         """A window per slot, inputs [b, t, ...] -> [b, t, heads, value_dim]. The snapshots hold T tokens per slot,
         so a shorter window (t < T) runs padded to T with zero inputs after its tokens (outputs and snapshots past t
         are dropped: `commit` keeps at most t)."""
         tokens = next(iter(inputs.values())).shape[1]
         padded = _padded_tokens(inputs, self.snapshots.shape[1])
-        return self.module.baseline_verify(self.snapshots, self.current, slots, **padded, **weights)[:, :tokens]
+        return self.module.baseline_verify(self.snapshots, self.current, self.slots, **padded, **weights)[:, :tokens]
 
-    def commit(self, slots: torch.Tensor, accepted: torch.Tensor, num_tokens: int) -> None:
+    def commit(self, accepted: torch.Tensor, num_tokens: int) -> None:
         """Keep accepted [b] (1..num_tokens) tokens of the last window: the committed snapshot becomes the last kept one's."""
-        self.module.baseline_commit(self.current, slots, accepted, num_tokens=num_tokens)
+        self.module.baseline_commit(self.current, self.slots, accepted, num_tokens=num_tokens)
+        slots = self.slots.long()
+        self.rows.copy_(slots * self.snapshots.shape[1] + self.current[slots])
 
-    def materialize(self, slots: torch.Tensor) -> torch.Tensor:
+    def materialize(self) -> torch.Tensor:
         """The slots' committed snapshots [b, *STATE_SHAPE] (a copy)."""
-        return self.snapshots[slots.long(), self.current[slots.long()].long()]
+        return self.snapshots.flatten(0, 1)[self.rows.long()]
 
 
 def _padded_tokens(inputs: dict[str, torch.Tensor], tokens: int) -> dict[str, torch.Tensor]:
@@ -545,10 +549,10 @@ class ReplayRuntime:
 
     def run_recurrence(self, layer: RecurrentLayer, inputs: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> torch.Tensor:
         """The recurrence of `layer` on inputs [b, s, ...] -> [b, s, heads, value_dim]: decode (s = 1) or verify."""
-        states, slots = self.session.recurrent[layer.index], self.session.slots
+        states = self.session.recurrent[layer.index]
         if self.mode is Mode.DECODE:
-            return states.decode(slots, {k: v[:, 0].contiguous() for k, v in inputs.items()}, weights)[:, None]
-        return states.verify(slots, {k: v.contiguous() for k, v in inputs.items()}, weights)
+            return states.decode({k: v[:, 0].contiguous() for k, v in inputs.items()}, weights)[:, None]
+        return states.verify({k: v.contiguous() for k, v in inputs.items()}, weights)
 
     # --- decoding -------------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -682,7 +686,7 @@ class DecodeSession:
             raise ValueError(f"accepted={accepted}: the last window had {self.pending} tokens (keep 1..{self.pending})")
         for layer in self.runtime.layers:
             counts = torch.full_like(self.slots, accepted)
-            self.recurrent[layer.index].commit(self.slots, counts, self.pending)
+            self.recurrent[layer.index].commit(counts, self.pending)
             layer.module.commit_conv(self.conv[layer.index], self.slots, counts, num_tokens=self.pending)
         _crop_attention(self.cache, self.pending - accepted)
         self._keep(accepted)
@@ -692,7 +696,7 @@ class DecodeSession:
         """Per recurrent layer index: its states [b, *STATE_SHAPE] (materialized) and conv inputs [b, channels, W - 1]."""
         self._check_no_pending("states")
         return {
-            layer.index: (self.recurrent[layer.index].materialize(self.slots), layer.module.materialize_conv(self.conv[layer.index], self.slots))
+            layer.index: (self.recurrent[layer.index].materialize(), layer.module.materialize_conv(self.conv[layer.index], self.slots))
             for layer in self.runtime.layers
         }
 
