@@ -3,6 +3,8 @@ initialised configs of each supported class: greedy tokens and logits as HF's ow
 tokens as greedy decoding's, and a rejected draft leaving every state as if it never ran; on the replay kernels, and
 for some models on the modules' baseline kernels (`kernels="baseline"`) too."""
 
+import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -232,6 +234,25 @@ def test_the_cpu_example_runs():
     done = subprocess.run([sys.executable, str(ROOT / "examples" / "hf_on_cpu.py")], capture_output=True, text=True, env=env, timeout=1200)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "24 greedy tokens as HF's: True; speculative: the same tokens True" in done.stdout
+
+
+def test_the_e2e_tokens_script_runs_on_the_cpu(tmp_path, monkeypatch):
+    """docs/experiments/e2e_tokens.py: --help without importing torch; a tiny Nemotron-H through HF's path and
+    replay speculation in windows of 2 under the interpreter, the rows in its JSON, the tokens HF's."""
+    script = ROOT / "docs" / "experiments" / "e2e_tokens.py"
+    no_torch = "import sys, runpy; sys.modules['torch'] = None; sys.argv = [sys.argv[1], '--help']; runpy.run_path(sys.argv[0], run_name='__main__')"
+    done = subprocess.run([sys.executable, "-c", no_torch, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "--repeat-prompt" in done.stdout, done.stderr[-2000:]
+    spec = importlib.util.spec_from_file_location("e2e_tokens", script)
+    e2e = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, e2e)  # where its dataclasses look their module up
+    spec.loader.exec_module(e2e)
+    out = tmp_path / "e2e.json"
+    argv = ["--tiny", "--device", "cpu", "--dtype", "float32", "--models", "nemotron_h", "--paths", "replay-t2,hf", "--batch", "2", "--layers", "1"]
+    e2e.main([*argv, "--new-tokens", "2", "--prompt-tokens", "8", "--repeats", "1", "--share-steps", "1", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["path"] for row in rows] == ["hf", "replay-t2"]
+    assert rows[1]["same_as_hf"] == 1.0 and rows[1]["tokens_per_step"] >= 1 and 0 < rows[1]["recurrent_share"] <= 1
 
 
 def test_misuse_is_refused_with_a_clear_error():
