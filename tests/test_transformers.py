@@ -3,6 +3,7 @@ initialised configs of each supported class: greedy tokens and logits as HF's ow
 tokens as greedy decoding's, and a rejected draft leaving every state as if it never ran; on the replay kernels, and
 for some models on the modules' baseline kernels (`kernels="baseline"`) too."""
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -301,6 +302,29 @@ def test_a_layer_of_a_shipped_shape_runs_its_tuned_module():
     assert "def conv(" in tuned and "def conv(" not in shipped  # the model's conv beside the shipped kernels
     other = attach(model, capacity=12, window=4, gpu="h200").layers[0].module
     assert "# configs    defaults" in open(other.__file__).read()
+
+
+def test_a_shipped_shape_in_the_other_state_layout_runs_transposed(monkeypatch):
+    """attach with gpu: where the shipped shape of a mixer's sizes stores the state [value, key] (vLLM's layout, the
+    shipped GDN shapes') and HF keeps [key, value], the layer runs that shape's module with the states transposed at
+    load and at `states`: greedy tokens as HF's, states in HF's layout."""
+    from replaygen.integrations import transformers as integration
+    from replaygen.paths import spec_file
+
+    model, prompts = _model("qwen3_5"), _prompts()
+    mixer, family = integration.recurrent_mixers(model)[0]
+    entry = dict(family.shape_entry(mixer), capacity=8, window=4, layout="value_key")
+    shipped_shape = integration.model_spec("gdn", integration.mixer_conv(family, mixer), {"tiny-value-key": entry}, "the test").shapes[0]
+    gdn = load_spec(spec_file("gdn"))
+    monkeypatch.setattr(integration, "load_spec", lambda path: dataclasses.replace(gdn, shapes=(shipped_shape,)))
+    runtime = attach(model, capacity=8, window=4, gpu="h200")
+    assert [layer.transposed for layer in runtime.layers] == [True]
+    assert "tiny-value-key" in open(runtime.layers[0].module.__file__).read()
+    tokens, _ = _hf_greedy(model, prompts)
+    assert torch.equal(runtime.generate(prompts, NEW_TOKENS).tokens, tokens)
+    session = runtime.start(prompts)
+    index = runtime.layers[0].index
+    torch.testing.assert_close(session.states()[index][0], session.cache.get_recurrent_state(index).float(), atol=1e-6, rtol=1e-6)
 
 
 def _tables(source: str) -> list[str]:

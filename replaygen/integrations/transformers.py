@@ -38,7 +38,7 @@ from replaygen.errors import ReplaygenError
 from replaygen.paths import gpu_name, records_dir, spec_file
 from replaygen.runtime import load_kernels
 from replaygen.spec import load_spec, load_spec_text
-from replaygen.spec.model import Spec
+from replaygen.spec.model import Spec, StateLayout
 from replaygen.tune.apply import resolve_configs
 
 
@@ -167,6 +167,16 @@ class RecurrentLayer:
     mixer: torch.nn.Module
     family: "Mamba2Mixers | DeltaRuleMixers"
     module: ModuleType
+    transposed: bool = False  # the module stores each head's state transposed to HF's layout (a shipped shape's)
+
+    def module_states(self, states: torch.Tensor) -> torch.Tensor:
+        """HF's states [b, heads, *state] -> the module's [b, *STATE_SHAPE] float32."""
+        states = states.to(torch.float32)
+        return (states.transpose(-1, -2) if self.transposed else states).contiguous()
+
+    def hf_states(self, states: torch.Tensor) -> torch.Tensor:
+        """The module's states [b, *STATE_SHAPE] -> HF's layout [b, heads, *state]."""
+        return states.transpose(-1, -2) if self.transposed else states
 
 
 @dataclass(frozen=True)
@@ -471,9 +481,10 @@ def attach(
     model: torch.nn.Module, capacity: int = 16, window: int = 4, gpu: str | None = None, kernels: Kernels | str = Kernels.REPLAY
 ) -> "ReplayRuntime":
     """A runtime for `model`'s recurrent layers: one module per distinct layer shape, at ring capacity L and
-    speculative window T. With `gpu`, a layer shape that a shipped spec ships (the same sizes, L, T, layout and
-    dtypes) runs that shape's tuned configs of tune/<gpu>/ (the shipped module's kernels, the mixer's conv beside
-    them); every other kernel runs its documented defaults. `kernels` picks the modules' replay kernels or their
+    speculative window T. With `gpu`, a layer shape that a shipped spec ships (the same sizes, L, T and dtypes, in
+    HF's state layout or transposed: the shipped GDN shapes store [value, key]) runs that shape's tuned configs of
+    tune/<gpu>/ (the shipped module's kernels, the mixer's conv beside them); every other kernel runs its documented
+    defaults. `kernels` picks the modules' replay kernels or their
     baseline kernels (`Kernels`, or its value "replay" / "baseline")."""
     kernels = Kernels.named(kernels)
     mixers = recurrent_mixers(model)
@@ -482,30 +493,41 @@ def attach(
             f"{type(model).__name__} has no recurrent mixer replaygen takes (the Mamba-2 mixers of HF's Mamba-2 models and hybrids, "
             "the Gated DeltaNet of qwen3_next and qwen3_5, the Kimi Delta Attention of kimi_linear)"
         )
-    modules: dict[tuple[str, str], ModuleType] = {}
+    modules: dict[tuple[str, str], tuple[ModuleType, bool]] = {}
     layers = []
     for mixer, family in mixers:
         name = shape_name(family, mixer, capacity, window)
         if (family.spec_name, name) not in modules:
             modules[(family.spec_name, name)] = _layer_module(family, mixer, name, capacity, window, gpu, f"{type(model).__name__} layer {mixer.layer_idx}")
-        layers.append(RecurrentLayer(mixer.layer_idx, mixer, family, modules[(family.spec_name, name)]))
+        layers.append(RecurrentLayer(mixer.layer_idx, mixer, family, *modules[(family.spec_name, name)]))
     return ReplayRuntime(model, tuple(layers), capacity, window, kernels)
 
 
-def _layer_module(family, mixer: torch.nn.Module, name: str, capacity: int, window: int, gpu: str | None, where: str) -> ModuleType:
-    """The module of one layer shape with the mixer's conv: where `gpu` is given and a shipped spec ships a shape of
-    the same meaning, that shape with its tuned configs (the conv adds functions only, so the records' kernels are
-    the module's); else the documented defaults."""
+def _layer_module(family, mixer: torch.nn.Module, name: str, capacity: int, window: int, gpu: str | None, where: str) -> tuple[ModuleType, bool]:
+    """The module of one layer shape with the mixer's conv, and whether it stores the state transposed to HF's
+    layout: where `gpu` is given and a shipped spec ships a shape of the same meaning, in HF's state layout or the
+    other one (vLLM's [value, key] where HF keeps [key, value]: the states are transposed at load and `states`),
+    that shape with its tuned configs (the conv adds functions only, so the records' kernels are the module's);
+    else the documented defaults in HF's layout."""
     entry = dict(family.shape_entry(mixer), capacity=capacity, window=window)
     conv = mixer_conv(family, mixer)
     spec = model_spec(family.spec_name, conv, {name: entry}, where)
     if gpu is not None:
-        for candidate in load_spec(spec_file(family.spec_name)).shapes:
-            if replace(candidate, name=name) == spec.shapes[0]:
+        wanted = spec.shapes[0]
+        shipped = load_spec(spec_file(family.spec_name)).shapes
+        for transposed in (False, True):
+            for candidate in shipped:
+                if replace(candidate, name=name) != replace(wanted, layout=_other_layout(wanted.layout) if transposed else wanted.layout):
+                    continue
+                entry = dict(entry, layout=candidate.layout.value)
                 spec = model_spec(family.spec_name, conv, {candidate.name: entry}, where)
                 chosen = resolve_configs(spec, spec.shapes[0], gpu_name(gpu), records_dir(spec_file(family.spec_name)), allow_default=True)
-                return load_kernels(spec, spec.shapes[0], chosen.configs, gpu_name(gpu), chosen.source)
-    return load_kernels(spec, spec.shapes[0])
+                return load_kernels(spec, spec.shapes[0], chosen.configs, gpu_name(gpu), chosen.source), transposed
+    return load_kernels(spec, spec.shapes[0]), False
+
+
+def _other_layout(layout: StateLayout) -> StateLayout:
+    return StateLayout.KEY_VALUE if layout is StateLayout.VALUE_KEY else StateLayout.VALUE_KEY
 
 
 # Draft tokens for speculative decoding: (each sequence's tokens so far, prompt included; how many) -> per sequence
@@ -649,7 +671,7 @@ class DecodeSession:
             recurrent, conv_state = cache.get_recurrent_state(layer.index), cache.get_conv_state(layer.index)
             if recurrent is None or conv_state is None:
                 raise ReplaygenError(f"layer {layer.index}: the prompt left no recurrent or conv state in HF's cache")
-            states = recurrent.to(torch.float32).contiguous()
+            states = layer.module_states(recurrent)
             self.recurrent[layer.index] = runtime.kernels.states.load(layer.module, self.slots, states, dtype, runtime.window)
             conv = layer.module.allocate_conv(batch, device, dtype)
             layer.module.load_conv(conv, self.slots, conv_state[..., -(layer.mixer.conv1d.kernel_size[0] - 1) :].to(dtype))
@@ -693,10 +715,11 @@ class DecodeSession:
         self.pending = 0
 
     def states(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """Per recurrent layer index: its states [b, *STATE_SHAPE] (materialized) and conv inputs [b, channels, W - 1]."""
+        """Per recurrent layer index: its states [b, heads, *state] in HF's layout (materialized) and conv inputs
+        [b, channels, W - 1]."""
         self._check_no_pending("states")
         return {
-            layer.index: (self.recurrent[layer.index].materialize(), layer.module.materialize_conv(self.conv[layer.index], self.slots))
+            layer.index: (layer.hf_states(self.recurrent[layer.index].materialize()), layer.module.materialize_conv(self.conv[layer.index], self.slots))
             for layer in self.runtime.layers
         }
 
