@@ -16,7 +16,7 @@ from replaygen import __version__
 from replaygen.configs import BATCH_BUCKETS, DEFAULT_FLUSH_GROUPS, KernelKind
 from replaygen.errors import ReplaygenError
 from replaygen.offline import ARCHITECTURES
-from replaygen.precision import VARIANT_NAMES
+from replaygen.precision import VARIANT_NAMES, WIDE_BUFFERS
 from replaygen.tune.space import TUNABLE_KINDS as TUNABLE
 
 if TYPE_CHECKING:
@@ -178,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
         "one, else under Triton's interpreter at reduced sizes (as check does; its float32 -> bfloat16 convert "
         "truncates, so bfloat16 round-to-nearest is then not what the GPU does)."))
     _add_spec(p)
-    p.add_argument("--variants", default=",".join(VARIANT_NAMES), help=f"comma-separated precision choices (default: all of {','.join(VARIANT_NAMES)}); a state choice joined with +float32-buffers runs both, e.g. bfloat16+float32-buffers")
+    p.add_argument("--variants", default=",".join(VARIANT_NAMES), help=f"comma-separated precision choices (default: all of {','.join(VARIANT_NAMES)}); a state choice joined with +{WIDE_BUFFERS} runs both, e.g. bfloat16+{WIDE_BUFFERS}")
     p.add_argument("--steps", default="1000,10000", help="comma-separated step counts to report at; the last is the run's length (default: 1000,10000)")
     p.add_argument("--batch", type=int, default=32, help="sequences (default: 32)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help=DTYPE_HELP)

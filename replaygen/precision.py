@@ -6,8 +6,8 @@ from dataclasses import replace
 
 from replaygen.spec.model import CachedField, DType, Rounding, Spec, TargetShape
 
-VARIANT_NAMES = ("float32", "bfloat16", "bfloat16-stochastic", "float16", "float16-stochastic", "float32-buffers")
 WIDE_BUFFERS = "float32-buffers"
+VARIANT_NAMES = ("float32", "bfloat16", "bfloat16-stochastic", "float16", "float16-stochastic", WIDE_BUFFERS)
 
 
 def precision_variant(spec: Spec, shape: TargetShape, name: str) -> TargetShape:
