@@ -48,7 +48,7 @@ rows staggered). Copy fraction: bytes of `traffic.baseline_decode_bytes` (theirs
 read and written, plus its inputs) or `replay_decode_bytes` over the time, against `copy_bandwidth` measured in the
 same run.
 
-    python docs/experiments/vs_mamba3_step.py --public .gpu/public/mamba_ssm_mamba3 --gpu h200 --out /tmp/vs_mamba3
+    python docs/experiments/vs_mamba3_step.py --public .gpu/public/mamba_ssm_mamba3 --gpu h200 --out /tmp/vs_mamba3_step.json
 """
 
 from __future__ import annotations
