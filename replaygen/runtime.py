@@ -42,6 +42,12 @@ def import_path(path: str | Path) -> ModuleType:
     name = f"replaygen_generated_{path.stem}_{source_hash(str(path))[:12]}"
     if name in sys.modules:
         return sys.modules[name]
+    return import_file(name, path)
+
+
+def import_file(name: str, path: str | Path) -> ModuleType:
+    """Import the Python file at `path` as module `name` (registered in sys.modules before it runs, so the file's own
+    imports of `name`, and dataclasses defined in it, find it)."""
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module

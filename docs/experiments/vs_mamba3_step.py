@@ -54,7 +54,6 @@ same run.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import sys
@@ -72,7 +71,7 @@ if str(ROOT) not in sys.path:
 
 from replaygen.harness import TOLERANCE, InputFactory, angle_error, load_reference, relative_error  # noqa: E402
 from replaygen.reference import Reference  # noqa: E402
-from replaygen.runtime import import_path, load_kernels  # noqa: E402
+from replaygen.runtime import import_file, import_path, load_kernels  # noqa: E402
 from replaygen.spec import load_spec  # noqa: E402
 from replaygen.spec.model import DType, RotaryPairing  # noqa: E402
 from replaygen.traffic import baseline_decode_bytes, replay_decode_bytes  # noqa: E402
@@ -117,14 +116,6 @@ def _exact_silu(x):
     return x * tl.sigmoid(x)
 
 
-def _load_file(name: str, path: Path) -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def load_public(folder: Path, exact_trig: bool) -> types.ModuleType:
     """Their `mamba3_siso_step` module from `folder` (its utils import satisfied: their utils.py, or with `exact_trig`
     exact helpers of ours). Under Triton's interpreter its autotuner keeps one config (no benchmarking there)."""
@@ -146,9 +137,9 @@ def load_public(folder: Path, exact_trig: bool) -> types.ModuleType:
         utils.__dict__.update(cos_approx=_exact_cos, sin_approx=_exact_sin, tanh_approx=_exact_tanh, sigmoid_approx=_exact_sigmoid, silu=_exact_silu)
         sys.modules[UTILS_NAME] = utils
     else:
-        utils = _load_file(UTILS_NAME, folder / "utils.py")
+        utils = import_file(UTILS_NAME, folder / "utils.py")
     setattr(sys.modules[".".join(parts[:-1])], parts[-1], utils)
-    public = _load_file("public_mamba3_siso_step" + ("_exact" if exact_trig else ""), folder / PUBLIC_FILE)
+    public = import_file("public_mamba3_siso_step" + ("_exact" if exact_trig else ""), folder / PUBLIC_FILE)
     kernel = public.mamba3_siso_step_kernel
     if _interpreted():
         _patch_interpreter_bf16_dot()

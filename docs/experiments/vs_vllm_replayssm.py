@@ -44,7 +44,6 @@ replaygen's modules are checked by `harness.check_speculative_through_flushes`.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import sys
@@ -60,7 +59,7 @@ from replaygen.configs import BucketConfig, KernelConfig, KernelKind
 from replaygen.harness import InputFactory, check_decode, check_speculative_through_flushes, load_reference, output_tolerance, relative_error
 from replaygen.measure import DecodeWorkload, VerifyWorkload, capture, cold_layers, copy_bandwidth, time_callable
 from replaygen.reference import Reference
-from replaygen.runtime import import_path, load_kernels
+from replaygen.runtime import import_file, import_path, load_kernels
 from replaygen.spec import load_spec
 from replaygen.spec.model import DType
 from replaygen.traffic import replay_decode_bytes, replay_verify_bytes, verify_flush_period
@@ -97,22 +96,14 @@ def _stub_vllm(folder: Path) -> None:
     module("vllm.platforms", current_platform=types.SimpleNamespace(is_device_capability_family=lambda family: False))
     module("vllm.v1.attention.backends.utils", NULL_BLOCK_ID=0)
     module("vllm.model_executor.layers.mamba.ops.mamba_ssm", softplus=_softplus)
-    _load_file("vllm.model_executor.layers.mamba.ops.replayssm_config", folder / "replayssm_config.py")
-
-
-def _load_file(name: str, path: Path) -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    import_file("vllm.model_executor.layers.mamba.ops.replayssm_config", folder / "replayssm_config.py")
 
 
 def _load_public(folder: Path, family: str, kind: str) -> types.ModuleType:
     """The PR's module of `family` ("gdn" | "mamba2") and `kind` ("decode" | "verify") from `folder`."""
     if "vllm.model_executor.layers.mamba.ops.replayssm_config" not in sys.modules:
         _stub_vllm(folder)
-    return _load_file(f"public_{family}_{kind}", folder / PUBLIC_FILES[(family, kind)])
+    return import_file(f"public_{family}_{kind}", folder / PUBLIC_FILES[(family, kind)])
 
 
 class PublicGdnDecode:
