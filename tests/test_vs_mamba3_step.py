@@ -47,6 +47,20 @@ def _script():
 vs = _script()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _their_modules_unloaded_after():
+    """What loading their kernel installs process-wide (the stub `mamba_ssm` packages, their modules, the
+    interpreter's widened bfloat16 dot) is undone after this file's tests, so other tests see neither."""
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    before, dot = set(sys.modules), InterpreterBuilder.create_dot
+    yield
+    for name in set(sys.modules) - before:
+        if name.split(".")[0] == "mamba_ssm" or name.startswith("public_mamba3"):
+            del sys.modules[name]
+    InterpreterBuilder.create_dot = dot
+
+
 @pytest.fixture(scope="module")
 def public():
     # exact trig on the CPU (their PTX approximations cannot run in the interpreter); their shipped helpers on a GPU
