@@ -8,6 +8,7 @@ replaygen.precision).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -42,11 +43,11 @@ def measure_drift(
     device: str | torch.device,
     act_dtype: torch.dtype,
     seed: int = 0,
-) -> list[DriftPoint]:
+) -> Iterator[DriftPoint]:
     """Replay and baseline decode of `module` from the same random states over `steps` steps of the same random
-    inputs (no gate), against the float64 recurrence on those inputs (on the same device); a DriftPoint at each step
-    count in `report_at`."""
-    factory = InputFactory(spec, shape, device, act_dtype, seed)
+    inputs (no gate, drawn on `device`), against the float64 recurrence on those inputs (on the same device); yields
+    a DriftPoint as each step count in `report_at` is reached."""
+    factory = InputFactory(spec, shape, device, act_dtype, seed, draw_on_device=True)
     weights = factory.weights()
     slots = torch.arange(batch, dtype=torch.int32, device=device)
     rows = list(range(batch))
@@ -58,23 +59,23 @@ def measure_drift(
     module.load(replay, slots, start)
     baseline[rows] = start
     load_reference(reference, rows, start)
-    points, worst_replay, worst_baseline = [], 0.0, 0.0
+    worst_replay = worst_baseline = torch.zeros((), dtype=torch.float64, device=device)
     for step in range(1, steps + 1):
         inputs = factory.step(batch, use_gate=False)
         y_ref = reference.decode(rows, inputs, weights)
         y_rep = module.decode(replay, slots, **inputs, **weights)
         y_base = module.baseline_decode(baseline, slots, **inputs, **weights, **rounding)
-        worst_replay = max(worst_replay, _worst_row_head(y_rep, y_ref))
-        worst_baseline = max(worst_baseline, _worst_row_head(y_base, y_ref))
+        worst_replay = torch.maximum(worst_replay, _worst_row_head(y_rep, y_ref))
+        worst_baseline = torch.maximum(worst_baseline, _worst_row_head(y_base, y_ref))
         if step in report_at:
             replayed = module.materialize(replay, slots, **materialize_weights(spec, shape, weights))
             state_error = state_errors(reference, replayed, rows)[0]
-            points.append(DriftPoint(step, state_error, state_errors(reference, baseline, rows)[0], worst_replay, worst_baseline))
-            worst_replay = worst_baseline = 0.0
-    return points
+            yield DriftPoint(step, state_error, state_errors(reference, baseline, rows)[0], float(worst_replay), float(worst_baseline))
+            worst_replay = worst_baseline = torch.zeros_like(worst_replay)
 
 
-def _worst_row_head(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """The largest relative error of one (row, head) output vector [V] of `out` [batch, H, V] against `ref`."""
+def _worst_row_head(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """The largest relative error (a 0-d float64 tensor on ref's device, no host sync) of one (row, head) output
+    vector [V] of `out` [batch, H, V] against `ref`; NaN where an output is."""
     out = out.detach().to(ref.device, torch.float64)
-    return float(((out - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)).max())
+    return ((out - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)).max()

@@ -45,21 +45,24 @@ def angle_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 class InputFactory:
-    """Random, never-zero weights, per-token inputs and states of realistic scale for one spec and shape."""
+    """Random, never-zero weights, per-token inputs and states of realistic scale for one spec and shape.
 
-    def __init__(self, spec: Spec, shape: TargetShape, device: str | torch.device, act_dtype: torch.dtype, seed: int):
+    The numbers are drawn on the host, the same on every device for a seed; with `draw_on_device` they are drawn on
+    `device` itself (other numbers, and no host time per step: for long runs such as drift's)."""
+
+    def __init__(self, spec: Spec, shape: TargetShape, device: str | torch.device, act_dtype: torch.dtype, seed: int, *, draw_on_device: bool = False):
         self.spec = spec
         self.shape = shape
         self.device = torch.device(device)
         self.act_dtype = act_dtype
-        self.gen = torch.Generator().manual_seed(seed)
+        self.gen = torch.Generator(self.device if draw_on_device else "cpu").manual_seed(seed)
         self.inputs, self.weight_args = api_tensors(spec, shape)
 
     def _randn(self, *size: int) -> torch.Tensor:
-        return torch.randn(size, generator=self.gen, dtype=torch.float64)
+        return torch.randn(size, generator=self.gen, dtype=torch.float64, device=self.gen.device)
 
     def _uniform(self, low: float, high: float, *size: int) -> torch.Tensor:
-        return low + (high - low) * torch.rand(size, generator=self.gen, dtype=torch.float64)
+        return low + (high - low) * torch.rand(size, generator=self.gen, dtype=torch.float64, device=self.gen.device)
 
     def weights(self) -> dict[str, torch.Tensor]:
         s = self.spec
