@@ -82,8 +82,8 @@ def _softplus(x):
     return tl.where(x <= 20.0, tl.log(1.0 + tl.exp(x)), x)
 
 
-def _stub_vllm(folder: Path) -> None:
-    """Stand-ins for the vLLM names the PR's files import, and its launch-config module from `folder`."""
+def _stub_vllm(folder: Path | None) -> None:
+    """Stand-ins for the vLLM names the PR's files import, and its launch-config module from `folder` (where given)."""
 
     def module(name: str, **attrs: object) -> types.ModuleType:
         mod = sys.modules.setdefault(name, types.ModuleType(name))
@@ -96,7 +96,8 @@ def _stub_vllm(folder: Path) -> None:
     module("vllm.platforms", current_platform=types.SimpleNamespace(is_device_capability_family=lambda family: False))
     module("vllm.v1.attention.backends.utils", NULL_BLOCK_ID=0)
     module("vllm.model_executor.layers.mamba.ops.mamba_ssm", softplus=_softplus)
-    import_file("vllm.model_executor.layers.mamba.ops.replayssm_config", folder / "replayssm_config.py")
+    if folder is not None:
+        import_file("vllm.model_executor.layers.mamba.ops.replayssm_config", folder / "replayssm_config.py")
 
 
 def _load_public(folder: Path, family: str, kind: str) -> types.ModuleType:
