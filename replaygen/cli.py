@@ -170,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plots", action="store_true", help="also write PNG plots next to the JSON (needs --out and matplotlib)")
     p.add_argument("--gpu", default=None, help="time decode with the configs `build --gpu GPU` bakes from TUNE_DIR (default: defaults)")
     p.add_argument("--tune-dir", default=None, type=Path, help="tuning records folder for --gpu (default: tune/ beside the spec's specs/ folder)")
+    p.add_argument("--allow-default", action="store_true", help="with --gpu, time the documented default configs where no tuning record applies (as build does, and say so)")
 
     p = sub.add_parser("drift", help="how far each precision choice's state drifts from the exact recurrence", description=(
         "Per precision choice (state dtype, rounding, float32 buffers), run replay and baseline decode of one shape from "
@@ -595,7 +596,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             tuned[shape.name] = resolved.configs
 
         for shape in shapes:
-            resolve(shape)
+            resolve(shape, allow_default=args.allow_default)
         # Verify runs on the shape with the buffer capacity the traffic model prefers; a spec shape of its own
         # (e.g. nemotron-h-mtp) brings its tuning records, or the documented defaults when it has none.
         act = TORCH_TO_DTYPE[act_dtype]

@@ -255,3 +255,18 @@ def test_check_runs_each_distinct_reduced_shape_once():
     assert sum(len(shapes) for shapes in groups.values()) == len(spec.shapes) and len(groups) < len(spec.shapes)
     half = replace(spec.shapes[0], name="half", state_dtype=DType.BFLOAT16)
     assert len(_check_groups((spec.shapes[0], half), reduce=True)) == 2
+
+
+def test_bench_times_the_documented_defaults_where_no_record_applies_only_when_allowed(capsys, monkeypatch):
+    import torch
+
+    import replaygen.bench
+
+    timed = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(replaygen.bench, "run", lambda spec, shapes, *args, tuned, **kwargs: timed.update(tuned))
+    argv = ["bench", "mamba2", "--shape", "nemotron-h", "--gpu", "b200", "--T", ""]
+    assert main(argv) == 2
+    assert "no tuning records for mamba2/nemotron-h on b200" in capsys.readouterr().err and not timed
+    assert main([*argv, "--allow-default"]) == 0
+    assert "nemotron-h" in timed and "documented defaults" in capsys.readouterr().out
