@@ -358,6 +358,9 @@ def time_public(kernel: PublicDecode, steps: int, copy_value: bool):
     return time_callable(graph.replay, repeats=30, per_call=steps * len(kernel.args))
 
 
+REPLAY_ROW = "replaygen replay decode"
+
+
 def run_timing(args, spec, shape, public, module, device, bandwidth: float) -> list[dict]:
     from replaygen.measure import DecodeWorkload, cold_layers
 
@@ -375,18 +378,19 @@ def run_timing(args, spec, shape, public, module, device, bandwidth: float) -> l
             "theirs, ping-pong + V copy": time_public(theirs, steps, True),
             "theirs, kernel only": time_public(theirs, steps, False),
             "replaygen baseline decode": work.time_baseline(steps),
-            f"replaygen replay decode ({route}, flush_at {flush_at})": work.time_replay(route, flush_at),
+            REPLAY_ROW: work.time_replay(route, flush_at),
         }
         strict, engine = timings["theirs, kernel only"].median_ms, timings["theirs, ping-pong + V copy"].median_ms
         for name, t in timings.items():
-            moved = batch * (replay_decode_bytes(spec, shape, DType.BFLOAT16, flush_at).total if name.startswith("replaygen replay") else base_bytes)
+            moved = batch * (replay_decode_bytes(spec, shape, DType.BFLOAT16, flush_at).total if name == REPLAY_ROW else base_bytes)
             rows.append({
-                "batch": batch, "kernel": name, "layers": layers, "us": t.median_ms * 1e3, "p20_us": t.p20_ms * 1e3, "p80_us": t.p80_ms * 1e3,
+                "batch": batch, "kernel": name, "config": f"{route}, flush_at {flush_at}" if name == REPLAY_ROW else "", "layers": layers, "us": t.median_ms * 1e3, "p20_us": t.p20_ms * 1e3, "p80_us": t.p80_ms * 1e3,
                 "vs_theirs": strict / t.median_ms, "vs_theirs_with_copy": engine / t.median_ms,
                 "copy_fraction": moved / (t.median_ms * 1e-3) / bandwidth,
             })
             r = rows[-1]
-            print(f"b{batch:<4d} {name:48s} {r['us']:9.2f} us ({r['p20_us']:.2f}-{r['p80_us']:.2f})  x{r['vs_theirs']:.3f} of their kernel"
+            label = f"{name} ({r['config']})" if r["config"] else name
+            print(f"b{batch:<4d} {label:48s} {r['us']:9.2f} us ({r['p20_us']:.2f}-{r['p80_us']:.2f})  x{r['vs_theirs']:.3f} of their kernel"
                   f"  x{r['vs_theirs_with_copy']:.3f} of theirs + V copy  {r['copy_fraction']:.1%} copy", flush=True)
         del work, theirs
         torch.cuda.empty_cache()
@@ -401,10 +405,12 @@ def markdown(rows: list[dict]) -> str:
         cells = []
         for b in batches:
             r = next(r for r in rows if r["kernel"] == k and r["batch"] == b)
-            cells.append(f"{r['us']:.1f} ({r['vs_theirs']:.2f}x, {r['vs_theirs_with_copy']:.2f}x, {r['copy_fraction']:.0%})")
+            config = f", {r['config']}" if r["config"] else ""
+            cells.append(f"{r['us']:.1f} ({r['vs_theirs']:.2f}x, {r['vs_theirs_with_copy']:.2f}x, {r['copy_fraction']:.0%}{config})")
         lines.append(f"| {k} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + ("\n\nus per layer step (median); in brackets: their kernel-only time over the row's (>1: faster than their"
-                               " kernel), their ping-pong + V copy time over the row's, the copy bandwidth fraction")
+                               " kernel), their ping-pong + V copy time over the row's, the copy bandwidth fraction, and the replay's route and"
+                               " flush threshold at that batch (its module's dispatch table)")
 
 
 # --- main -------------------------------------------------------------------------------------------------------------
