@@ -298,7 +298,8 @@ def default_configs(kind: KernelKind, shape: TargetShape, traits: SpecTraits = S
       scores kernel runs) in two groups of slots half a period apart.
     - replay verify: batch 1, the state route over 8 value rows and one warp, no scores launch; above, for a decay
       per key channel, the key-tiled state route (for the delta rule reading each slice by one product in the
-      buffers' dtype, as its fold; the additive rule keeps float32 readouts); up to batch 8, one
+      buffers' dtype, as its fold; the additive rule keeps float32 readouts); where no scores kernel runs otherwise
+      (per-head keys: a carried entry, ranks), the batch-1 state route at every batch; up to batch 8, one
       warp per 16 value rows, output-only with precomputed scores overlapped, evict-first; above, the same with the
       fold two entries at a time and, for the delta rule, the split verify (its window half over 64 value rows, one
       warp, the ring read only where live) or otherwise a 128-register cap (key_dim <= 128).
@@ -322,7 +323,7 @@ def default_configs(kind: KernelKind, shape: TargetShape, traits: SpecTraits = S
             by_product = replace(tiled, readout_dot=True, readout_precision="key_buffer") if traits.delta_rule else tiled
             return (single, BucketConfig(None, by_product))
         if not scores:
-            return (single, BucketConfig(None, small))
+            return (BucketConfig(None, single.config),)
         if traits.delta_rule:
             large = replace(small, fold_chunk=2, prefetch_ring=False, window_block_v=min(64, cap), window_warps=1)
         else:

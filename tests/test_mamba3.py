@@ -437,6 +437,16 @@ def test_configs_the_features_refuse():
     assert "def _scores_kernel" not in source and "def _launch_scores" not in source
 
 
+def test_the_verify_default_is_the_state_route_at_every_batch():
+    """Keys per head (a carried entry, ranks) leave no scores kernel: the output-only verify scores every window token
+    against every entry in each program, 4.0x the state route at b128 on the H100 (perf.md 83)."""
+    from replaygen.configs import Route, default_configs, spec_traits
+
+    for shape in (MAMBA3.shape("mamba3-mtp"), MAMBA3.shape("mamba3-mimo-mtp")):
+        (bucket,) = default_configs(KernelKind.REPLAY_VERIFY, shape, spec_traits(MAMBA3, shape))
+        assert bucket.max_batch is None and bucket.config.route is Route.STATE_AND_OUTPUT and not bucket.config.precompute_scores
+
+
 def test_search_spaces_hold_only_what_renders():
     """The tuner's spaces for Mamba-3: no scores kernel, no fold_dot at rank > 1, baselines over whole heads; every
     default renders."""

@@ -89,8 +89,7 @@ _LOAD_CONFIGS = (
     (None, {'block_v': 16, 'num_warps': 4, 'num_stages': 1, 'max_registers': 0}),
 )
 _REPLAY_VERIFY_CONFIGS = (
-    (1, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'max_registers': 0, 'route': 'state_and_output', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'fold_precision': 'tf32x3', 'block_k': 0, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'readout_precision': 'tf32x3', 'evict_state': True, 'overlap_scores': False, 'window_block_v': 0, 'window_warps': 1, 'early_launch': False, 'prefetch_fold_keys': False, 'early_commit': False}),
-    (None, {'block_v': 16, 'num_warps': 1, 'num_stages': 1, 'max_registers': 0, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'fold_precision': 'tf32x3', 'block_k': 0, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'readout_precision': 'tf32x3', 'evict_state': True, 'overlap_scores': False, 'window_block_v': 0, 'window_warps': 1, 'early_launch': False, 'prefetch_fold_keys': False, 'early_commit': False}),
+    (None, {'block_v': 8, 'num_warps': 1, 'num_stages': 1, 'max_registers': 0, 'route': 'state_and_output', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'fold_precision': 'tf32x3', 'block_k': 0, 'precompute_scores': False, 'fused_flush': True, 'readout_dot': False, 'readout_precision': 'tf32x3', 'evict_state': True, 'overlap_scores': False, 'window_block_v': 0, 'window_warps': 1, 'early_launch': False, 'prefetch_fold_keys': False, 'early_commit': False}),
 )
 _COMMIT_CONFIGS = (
     (None, {'block_v': 64, 'num_warps': 4, 'num_stages': 1, 'max_registers': 0}),
