@@ -292,7 +292,8 @@ def default_configs(kind: KernelKind, shape: TargetShape, traits: SpecTraits = S
     which and why:
     - replay decode: up to batch 8, 32 value rows, 4 warps, the flush fused into the decode kernel, flush every L
       steps; above, for the delta rule where key tiles run, the key-tiled state route (`key_tiled_state_route`);
-      for a decay per key channel the baseline's step (`flush_every_step`); otherwise one warp per 32
+      for a decay per key channel the baseline's step (`flush_every_step`), for keys per head the same over the
+      whole head in two warps; otherwise one warp per 32
       value rows, the ring read only where live, precomputed scores overlapped with the
       decode kernel, the state streamed evict-first, every row's flush on the same steps (align_flushes, where the
       scores kernel runs) in two groups of slots half a period apart.
@@ -313,7 +314,7 @@ def default_configs(kind: KernelKind, shape: TargetShape, traits: SpecTraits = S
         tiled = key_tiled_state_route(shape, traits) if traits.delta_rule and not traits.channel_decay else None
         return (
             BucketConfig(8, KernelConfig(block_v=min(32, cap), num_warps=min(4, max_state_warps(shape, min(32, cap))))),
-            BucketConfig(None, tiled or (flush_every_step(shape) if traits.channel_decay else whole_key_output_only(shape, traits))),
+            BucketConfig(None, tiled or _large_batch_replay_decode(shape, traits)),
         )
     if kind is KernelKind.REPLAY_VERIFY:
         single = BucketConfig(1, KernelConfig(block_v=CURSOR_GRAIN, num_warps=1, route=Route.STATE_AND_OUTPUT, evict_state=True))
@@ -334,6 +335,18 @@ def default_configs(kind: KernelKind, shape: TargetShape, traits: SpecTraits = S
     if traits.whole_head_baseline and kind in (KernelKind.BASELINE_DECODE, KernelKind.BASELINE_VERIFY):
         return (BucketConfig(None, KernelConfig(block_v=cap, num_warps=min(4, max_state_warps(shape, cap)))),)
     return (BucketConfig(None, KernelConfig(block_v=16, num_warps=min(4, max_state_warps(shape, 16)))),)
+
+
+def _large_batch_replay_decode(shape: TargetShape, traits: SpecTraits) -> KernelConfig:
+    """Replay decode's default above batch 8 where key tiles do not run: the baseline's step where the decay is per key
+    channel or the keys differ per head (no scores kernel to share them), as the H100's searches found at KDA's and
+    Mamba-3's sizes; otherwise the whole-key output-only step."""
+    if traits.channel_decay:
+        return flush_every_step(shape)
+    if not traits.shared_scores:
+        whole_head = max(16, _next_pow2(shape.value_dim))
+        return replace(flush_every_step(shape), block_v=whole_head, num_warps=min(2, max_state_warps(shape, whole_head)))
+    return whole_key_output_only(shape, traits)
 
 
 def whole_key_output_only(shape: TargetShape, traits: SpecTraits = SpecTraits()) -> KernelConfig:
@@ -386,10 +399,16 @@ def replay_decode_structures(shape: TargetShape, traits: SpecTraits = SpecTraits
     (design.md, "Key tiles"): the key-tiled state route, the key-tiled output-only route (two slices of half the key
     axis, 64 value rows, two stages), and the whole-key output-only step; for a decay per key channel the key-tiled
     and the whole-key state routes (the output-only routes weigh every key channel of every entry, design.md,
-    "Defaults"); where key tiles cannot run, the whole-key output-only step and the whole-key state route. A search
+    "Defaults"); where key tiles cannot run, the whole-key output-only step and the whole-key state route, and where
+    the keys differ per head (no scores kernel) the output-only step over the whole head too, whose one program per
+    head scores each entry once (over 32 rows, two programs score it twice). A search
     starts from each, at every batch size (a search over the knobs alone rarely finds a structure the default does
     not have)."""
     tiled = key_tiled_state_route(shape, traits)
+    if tiled is None and not traits.shared_scores:
+        whole_head = max(16, _next_pow2(shape.value_dim))
+        one_per_head = replace(whole_key_output_only(shape, traits), block_v=whole_head, num_warps=min(4, max_state_warps(shape, whole_head)))
+        return (whole_key_output_only(shape, traits), one_per_head, whole_key_state_route(shape))
     if tiled is None:
         return (whole_key_output_only(shape, traits), whole_key_state_route(shape))
     if not traits.output_only_key_tiles:

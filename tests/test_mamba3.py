@@ -461,3 +461,14 @@ def test_search_spaces_hold_only_what_renders():
         if task.kind in (KernelKind.BASELINE_DECODE, KernelKind.BASELINE_VERIFY):
             assert choices["block_v"] == (64,)
         render_candidate(MAMBA3, task.shape, task.kind, task.space.default)
+
+
+def test_the_decode_default_above_batch_8_is_the_baseline_step_over_the_whole_head():
+    """Keys per head leave no scores kernel: above b8 the flush-every-step step over the whole head beat the
+    whole-key output-only step at b8-b512 on the H100 (perf.md 83); up to b8 the default keeps buffering."""
+    from replaygen.configs import default_configs, spec_traits
+
+    shape = MAMBA3.shape("mamba3")
+    small, large = default_configs(KernelKind.REPLAY_DECODE, shape, spec_traits(MAMBA3, shape))
+    assert small.max_batch == 8 and small.config.flush_at == 0
+    assert large.config.flush_at == 1 and large.config.block_v == shape.value_dim and large.config.num_warps == 2
