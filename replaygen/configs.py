@@ -299,8 +299,9 @@ def default_configs(kind: KernelKind, shape: TargetShape, traits: SpecTraits = S
       scores kernel runs) in two groups of slots half a period apart.
     - replay verify: batch 1, the state route over 8 value rows and one warp, no scores launch; above, for a decay
       per key channel, the key-tiled state route (for the delta rule reading each slice by one product in the
-      buffers' dtype, as its fold; the additive rule keeps float32 readouts); where no scores kernel runs otherwise
-      (per-head keys: a carried entry, ranks), the batch-1 state route at every batch; up to batch 8, one
+      buffers' dtype, as its fold; the additive rule keeps float32 readouts); where neither a scores kernel nor key
+      tiles run (keys per head: a carried entry, ranks; a per-channel decay at a key size key tiles cannot take), the
+      batch-1 state route at every batch; up to batch 8, one
       warp per 16 value rows, output-only with precomputed scores overlapped, evict-first; above, the same with the
       fold two entries at a time and, for the delta rule, the split verify (its window half over 64 value rows, one
       warp, the ring read only where live) or otherwise a 128-register cap (key_dim <= 128).
