@@ -199,7 +199,7 @@ def validate_config(kind: KernelKind, shape: TargetShape, config: KernelConfig) 
             raise UnsupportedShapeError(f"{kind.value}: {name} applies to {_kinds_text(kinds)} only (no other kernel reads it)")
     if config.block_v < CURSOR_GRAIN or config.block_v & (config.block_v - 1):
         raise UnsupportedShapeError(f"{kind.value}: block_v={config.block_v} must be a power of two >= {CURSOR_GRAIN}")
-    if config.block_v > max(16, _next_pow2(shape.value_dim)):
+    if config.block_v > whole_head_rows(shape):
         raise UnsupportedShapeError(f"{kind.value}: block_v={config.block_v} exceeds value_dim={shape.value_dim} rounded up")
     if config.num_warps not in (1, 2, 4, 8, 16):
         raise UnsupportedShapeError(f"{kind.value}: num_warps={config.num_warps} must be 1, 2, 4, 8 or 16")
@@ -265,7 +265,7 @@ def validate_config(kind: KernelKind, shape: TargetShape, config: KernelConfig) 
                 f"{kind.value}: window_block_v (the split verify) runs the output-only route with precompute_scores and"
                 f" without readout_dot, got route={config.route.value}, precompute_scores={config.precompute_scores}, readout_dot={config.readout_dot}"
             )
-        if config.window_block_v < CURSOR_GRAIN or config.window_block_v & (config.window_block_v - 1) or config.window_block_v > max(16, _next_pow2(shape.value_dim)):
+        if config.window_block_v < CURSOR_GRAIN or config.window_block_v & (config.window_block_v - 1) or config.window_block_v > whole_head_rows(shape):
             raise UnsupportedShapeError(f"{kind.value}: window_block_v={config.window_block_v} must be 0 or a power of two from {CURSOR_GRAIN} to value_dim={shape.value_dim} rounded up")
     if config.window_warps not in (1, 2, 4, 8, 16) or (config.window_warps != 1 and not config.window_block_v):
         raise UnsupportedShapeError(f"{kind.value}: window_warps={config.window_warps} must be 1, 2, 4, 8 or 16, and 1 without window_block_v")
@@ -309,7 +309,7 @@ def default_configs(kind: KernelKind, shape: TargetShape, traits: SpecTraits = S
     Where the state tile is smaller than 4 warps' threads (key_dim below 8), the 4-warp defaults take fewer warps
     (max_state_warps).
     """
-    cap = max(16, _next_pow2(shape.value_dim))
+    cap = whole_head_rows(shape)
     scores = traits.scores
     if kind is KernelKind.REPLAY_DECODE:
         tiled = key_tiled_state_route(shape, traits) if traits.delta_rule and not traits.channel_decay else None
@@ -345,8 +345,7 @@ def _large_batch_replay_decode(shape: TargetShape, traits: SpecTraits) -> Kernel
     if traits.channel_decay:
         return flush_every_step(shape)
     if not traits.shared_scores:
-        whole_head = max(16, _next_pow2(shape.value_dim))
-        return replace(flush_every_step(shape), block_v=whole_head, num_warps=min(2, max_state_warps(shape, whole_head)))
+        return replace(flush_every_step(shape), block_v=whole_head_rows(shape), num_warps=min(2, max_state_warps(shape, whole_head_rows(shape))))
     return whole_key_output_only(shape, traits)
 
 
@@ -356,7 +355,7 @@ def whole_key_output_only(shape: TargetShape, traits: SpecTraits = SpecTraits())
     flushes aligned in two groups of slots half a period apart (the last three where the scores kernel runs)."""
     scores = traits.scores
     return KernelConfig(
-        block_v=min(32, max(16, _next_pow2(shape.value_dim))), num_warps=1, prefetch_ring=False, precompute_scores=scores, overlap_scores=scores,
+        block_v=min(32, whole_head_rows(shape)), num_warps=1, prefetch_ring=False, precompute_scores=scores, overlap_scores=scores,
         evict_state=True, align_flushes=scores, flush_groups=min(DEFAULT_FLUSH_GROUPS, shape.capacity) if scores else 1,
     )
 
@@ -388,7 +387,7 @@ def key_tiled_state_route(shape: TargetShape, traits: SpecTraits = SpecTraits())
     top_k = _next_pow2(shape.key_dim)
     if not traits.key_tiles or top_k < 2 * MIN_DOT or shape.value_dim < MIN_DOT:
         return None
-    block_v = min(64, max(16, _next_pow2(shape.value_dim)))
+    block_v = min(64, whole_head_rows(shape))
     return KernelConfig(
         block_v=block_v, block_k=top_k // 2, num_warps=1, num_stages=3, route=Route.STATE_AND_OUTPUT, fold_dot=True,
         fold_precision="key_buffer" if traits.delta_rule else "tf32x3",
@@ -407,8 +406,7 @@ def replay_decode_structures(shape: TargetShape, traits: SpecTraits = SpecTraits
     not have)."""
     tiled = key_tiled_state_route(shape, traits)
     if tiled is None and not traits.shared_scores:
-        whole_head = max(16, _next_pow2(shape.value_dim))
-        one_per_head = replace(whole_key_output_only(shape, traits), block_v=whole_head, num_warps=min(4, max_state_warps(shape, whole_head)))
+        one_per_head = replace(whole_key_output_only(shape, traits), block_v=whole_head_rows(shape), num_warps=min(4, max_state_warps(shape, whole_head_rows(shape))))
         return (whole_key_output_only(shape, traits), one_per_head, whole_key_state_route(shape))
     if tiled is None:
         return (whole_key_output_only(shape, traits), whole_key_state_route(shape))
@@ -460,6 +458,11 @@ def spec_traits(spec: Spec, shape: TargetShape) -> SpecTraits:
         whole_head_baseline=spec.carries,
         one_factor_transforms=all(v.transform in (VectorTransform.NONE, VectorTransform.L2NORM) and v.weight is None and v.bias is None for v in (spec.key, spec.query)),
     )
+
+
+def whole_head_rows(shape: TargetShape) -> int:
+    """The largest block_v: a head's value rows rounded up to a power of two, at least 16."""
+    return max(16, _next_pow2(shape.value_dim))
 
 
 def _next_pow2(n: int) -> int:

@@ -89,7 +89,7 @@ import json
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
 
-from replaygen.configs import CURSOR_GRAIN, FOLD_PRECISIONS, REPLAY_KINDS, SpecTraits, KernelConfig, KernelKind, Route, bucket_config, default_configs, state_tile_elements, validate_config
+from replaygen.configs import CURSOR_GRAIN, FOLD_PRECISIONS, REPLAY_KINDS, SpecTraits, KernelConfig, KernelKind, Route, bucket_config, default_configs, state_tile_elements, validate_config, whole_head_rows
 from replaygen.errors import ReplaygenError, UnsupportedShapeError
 from replaygen.spec.model import TargetShape
 
@@ -270,7 +270,7 @@ class SearchSpace:
 def derive_space(kind: KernelKind, shape: TargetShape, batch: int, traits: SpecTraits = SpecTraits()) -> SearchSpace:
     """The search space of `kind` for `shape` at batch size `batch` (`traits`: what the spec's recurrence allows,
     `configs.spec_traits`)."""
-    top = max(16, _next_pow2(shape.value_dim))
+    top = whole_head_rows(shape)
     block_v = tuple(1 << e for e in range(CURSOR_GRAIN.bit_length() - 1, top.bit_length()))
     decode = kind is KernelKind.REPLAY_DECODE
     verify = kind is KernelKind.REPLAY_VERIFY
