@@ -4,7 +4,6 @@ their kernel's outputs and new states against replaygen's baseline_decode and th
 steps. The kernel is not part of this project: the tests that run it read it from REPLAYGEN_PUBLIC_MAMBA3 (a folder
 with mamba3_siso_step.py and utils.py; default .gpu/public/mamba_ssm_mamba3 where it exists) and skip without it."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from replaygen.runtime import load_kernels
+from replaygen.runtime import import_file, load_kernels
 from replaygen.spec import load_spec, load_spec_text
 from replaygen.spec.model import RotaryPairing, TargetShape
 
@@ -36,15 +35,7 @@ PUBLIC = _public_folder()
 needs_public = pytest.mark.skipif(PUBLIC is None, reason="state-spaces/mamba's mamba3_siso_step.py not found (set REPLAYGEN_PUBLIC_MAMBA3)")
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("vs_mamba3_step", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["vs_mamba3_step"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-vs = _script()
+vs = import_file("vs_mamba3_step", SCRIPT)
 
 
 @pytest.fixture(scope="module", autouse=True)

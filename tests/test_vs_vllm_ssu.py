@@ -4,7 +4,6 @@ replay decode and the float64 reference over chained steps, at each state dtype.
 project: the tests that run it read it from REPLAYGEN_PUBLIC_VLLM (a folder with vLLM's mamba_ssm.py and
 triton_helpers.py; default .gpu/public where it exists) and skip without it."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -16,7 +15,7 @@ import pytest
 import torch
 
 from replaygen.harness import InputFactory
-from replaygen.runtime import load_kernels
+from replaygen.runtime import import_file, load_kernels
 from replaygen.spec import load_spec
 from replaygen.spec.model import DType, Rounding
 from replaygen.traffic import baseline_decode_bytes
@@ -38,15 +37,7 @@ needs_public = pytest.mark.skipif(PUBLIC is None, reason="vLLM's mamba_ssm.py an
 on_cpu = pytest.mark.skipif(HAS_GPU, reason="the interpreter's checks (a GPU runs the script itself)")
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("vs_vllm_ssu", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["vs_vllm_ssu"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-vs = _script()
+vs = import_file("vs_vllm_ssu", SCRIPT)
 
 
 def _tiny(state: str) -> list:
