@@ -292,9 +292,9 @@ def default_configs(kind: KernelKind, shape: TargetShape, traits: SpecTraits = S
     which and why:
     - replay decode: up to batch 8, 32 value rows, 4 warps, the flush fused into the decode kernel, flush every L
       steps; above, for the delta rule where key tiles run, the key-tiled state route (`key_tiled_state_route`);
-      for a decay per key channel the baseline's step (`flush_every_step`), for keys per head the same over the
-      whole head in two warps; otherwise one warp per 32
-      value rows, the ring read only where live, precomputed scores overlapped with the
+      for a decay per key channel the baseline's step (`flush_every_step`), for keys per head the output-only step
+      over the whole head in two warps (`whole_head_output_only`), at rank > 1 the baseline's step over the whole head
+      in two warps; otherwise one warp per 32 value rows, the ring read only where live, precomputed scores overlapped with the
       decode kernel, the state streamed evict-first, every row's flush on the same steps (align_flushes, where the
       scores kernel runs) in two groups of slots half a period apart.
     - replay verify: batch 1, the state route over 8 value rows and one warp, no scores launch; above, for a decay
@@ -340,13 +340,25 @@ def default_configs(kind: KernelKind, shape: TargetShape, traits: SpecTraits = S
 
 def _large_batch_replay_decode(shape: TargetShape, traits: SpecTraits) -> KernelConfig:
     """Replay decode's default above batch 8 where key tiles do not run: the baseline's step where the decay is per key
-    channel or the keys differ per head (no scores kernel to share them), as the H100's searches found at KDA's and
-    Mamba-3's sizes; otherwise the whole-key output-only step."""
+    channel, as the H100's searches found at KDA's sizes; where the keys differ per head (no scores kernel to share
+    them), the output-only step over the whole head (`whole_head_output_only`), the H100's winner at Mamba-3's sizes,
+    or at rank > 1, whose readouts score each entry's R keys against the R queries, the baseline's step over the
+    whole head; otherwise the whole-key output-only step."""
     if traits.channel_decay:
         return flush_every_step(shape)
-    if not traits.shared_scores:
+    if not traits.shared_scores and shape.rank > 1:
         return replace(flush_every_step(shape), block_v=whole_head_rows(shape), num_warps=min(2, max_state_warps(shape, whole_head_rows(shape))))
+    if not traits.shared_scores:
+        return whole_head_output_only(shape)
     return whole_key_output_only(shape, traits)
+
+
+def whole_head_output_only(shape: TargetShape) -> KernelConfig:
+    """Replay decode's output-only step with one program per head (where keys differ per head and no scores kernel
+    runs, a program over part of the head scores every entry again): two warps, every ring position loaded without
+    waiting for the cursor, the state streamed evict-first, the flush fused at L."""
+    block_v = whole_head_rows(shape)
+    return KernelConfig(block_v=block_v, num_warps=min(2, max_state_warps(shape, block_v)), evict_state=True)
 
 
 def whole_key_output_only(shape: TargetShape, traits: SpecTraits = SpecTraits()) -> KernelConfig:
@@ -406,8 +418,7 @@ def replay_decode_structures(shape: TargetShape, traits: SpecTraits = SpecTraits
     not have)."""
     tiled = key_tiled_state_route(shape, traits)
     if tiled is None and not traits.shared_scores:
-        one_per_head = replace(whole_key_output_only(shape, traits), block_v=whole_head_rows(shape), num_warps=min(4, max_state_warps(shape, whole_head_rows(shape))))
-        return (whole_key_output_only(shape, traits), one_per_head, whole_key_state_route(shape))
+        return (whole_key_output_only(shape, traits), whole_head_output_only(shape), whole_key_state_route(shape))
     if tiled is None:
         return (whole_key_output_only(shape, traits), whole_key_state_route(shape))
     if not traits.output_only_key_tiles:

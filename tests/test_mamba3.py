@@ -463,12 +463,23 @@ def test_search_spaces_hold_only_what_renders():
         render_candidate(MAMBA3, task.shape, task.kind, task.space.default)
 
 
-def test_the_decode_default_above_batch_8_is_the_baseline_step_over_the_whole_head():
-    """Keys per head leave no scores kernel: above b8 the flush-every-step step over the whole head beat the
-    whole-key output-only step at b8-b512 on the H100 (perf.md 83); up to b8 the default keeps buffering."""
-    from replaygen.configs import default_configs, spec_traits
+def test_the_decode_default_above_batch_8_is_the_output_only_step_over_the_whole_head():
+    """Keys per head leave no scores kernel: above b8 the output-only step with one program per head, two warps,
+    buffering up to L, beat the flush-every-step step over the whole head and the output-only step over 32 rows at
+    b128 and b512 on the H100 (perf.md 84); the searches start from it too. At rank > 1, whose readouts score each
+    entry's R keys against R queries (the output-only step ran 4.9x the baseline at b8), the baseline's step over
+    the whole head. Up to b8 the default keeps buffering."""
+    from replaygen.configs import Route, default_configs, replay_decode_structures, spec_traits
 
-    shape = MAMBA3.shape("mamba3")
-    small, large = default_configs(KernelKind.REPLAY_DECODE, shape, spec_traits(MAMBA3, shape))
-    assert small.max_batch == 8 and small.config.flush_at == 0
-    assert large.config.flush_at == 1 and large.config.block_v == shape.value_dim and large.config.num_warps == 2
+    for name in ("mamba3", "mamba3-mtp", "mamba3-mimo", "mamba3-mimo-mtp"):
+        shape = MAMBA3.shape(name)
+        traits = spec_traits(MAMBA3, shape)
+        small, large = default_configs(KernelKind.REPLAY_DECODE, shape, traits)
+        assert small.max_batch == 8 and small.config.flush_at == 0
+        config = large.config
+        assert config.block_v == shape.value_dim and config.num_warps == 2 and not config.precompute_scores
+        if shape.rank > 1:
+            assert config.flush_at == 1
+        else:
+            assert config.route is Route.OUTPUT_ONLY and config.flush_at == 0 and config.fused_flush and config.prefetch_ring
+            assert config in replay_decode_structures(shape, traits)

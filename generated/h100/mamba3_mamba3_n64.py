@@ -77,7 +77,7 @@ _BASELINE_DECODE_CONFIGS = (
 )
 _REPLAY_DECODE_CONFIGS = (
     (8, {'block_v': 32, 'num_warps': 4, 'num_stages': 1, 'max_registers': 0, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'fold_precision': 'tf32x3', 'block_k': 0, 'precompute_scores': False, 'fused_flush': True, 'evict_state': False, 'overlap_scores': False, 'align_flushes': False, 'flush_groups': 1, 'early_launch': False, 'prefetch_fold_keys': False}),
-    (None, {'block_v': 64, 'num_warps': 2, 'num_stages': 1, 'max_registers': 0, 'route': 'output_only', 'flush_at': 1, 'prefetch_ring': True, 'fold_chunk': 1, 'fold_dot': False, 'fold_precision': 'tf32x3', 'block_k': 0, 'precompute_scores': False, 'fused_flush': True, 'evict_state': True, 'overlap_scores': False, 'align_flushes': False, 'flush_groups': 1, 'early_launch': False, 'prefetch_fold_keys': False}),
+    (None, {'block_v': 64, 'num_warps': 2, 'num_stages': 1, 'max_registers': 0, 'route': 'output_only', 'flush_at': 0, 'prefetch_ring': True, 'fold_chunk': 4, 'fold_dot': False, 'fold_precision': 'tf32x3', 'block_k': 0, 'precompute_scores': False, 'fused_flush': True, 'evict_state': True, 'overlap_scores': False, 'align_flushes': False, 'flush_groups': 1, 'early_launch': False, 'prefetch_fold_keys': False}),
 )
 _MATERIALIZE_CONFIGS = (
     (None, {'block_v': 16, 'num_warps': 4, 'num_stages': 1, 'max_registers': 0, 'fold_chunk': 4}),
