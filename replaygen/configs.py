@@ -294,9 +294,9 @@ def default_configs(kind: KernelKind, shape: TargetShape, traits: SpecTraits = S
       steps; above, for the delta rule where key tiles run, the key-tiled state route (`key_tiled_state_route`);
       for a decay per key channel the baseline's step (`flush_every_step`), for keys per head the output-only step
       over the whole head in two warps (`whole_head_output_only`), at rank > 1 the baseline's step over the whole head
-      in two warps; otherwise one warp per 32 value rows, the ring read only where live, precomputed scores overlapped with the
-      decode kernel, the state streamed evict-first, every row's flush on the same steps (align_flushes, where the
-      scores kernel runs) in two groups of slots half a period apart.
+      in two warps; otherwise one warp per 32 value rows, the ring read only where live, precomputed scores
+      overlapped with the decode kernel, the state streamed evict-first, every row's flush on the same steps
+      (align_flushes, where the scores kernel runs) in two groups of slots half a period apart.
     - replay verify: batch 1, the state route over 8 value rows and one warp, no scores launch; above, for a decay
       per key channel, the key-tiled state route (for the delta rule reading each slice by one product in the
       buffers' dtype, as its fold; the additive rule keeps float32 readouts); where neither a scores kernel nor key
