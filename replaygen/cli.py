@@ -674,7 +674,7 @@ def cmd_drift(args: argparse.Namespace) -> int:
     import torch
 
     from replaygen.build import select_shapes
-    from replaygen.drift import measure_drift
+    from replaygen.drift import DriftVariant, measure_drift
     from replaygen.precision import precision_variant
     from replaygen.runtime import load_kernels
     from replaygen.spec import load_spec
@@ -691,15 +691,15 @@ def cmd_drift(args: argparse.Namespace) -> int:
         variants = []
         for name in names:
             try:
-                variants.append((name, precision_variant(spec, shape, name)))
+                variant = precision_variant(spec, shape, name)
             except ValueError as err:
                 raise ReplaygenError(f"--variants: {err}") from None
+            variants.append(DriftVariant(name, variant, load_kernels(spec, variant)))
         print(f"{spec.name}/{shape.name} ({_describe(shape)}): batch {args.batch}, {act}, {device}; relative errors against the float64 recurrence")
         print(f"  {'variant':<22} {'steps':>7} {'state replay':>13} {'state baseline':>15} {'output replay':>14} {'output baseline':>16}")
-        for name, variant in variants:
-            module = load_kernels(spec, variant)
-            for p in measure_drift(module, spec, variant, steps=max(report_at), report_at=report_at, batch=args.batch, device=device, act_dtype=act, seed=args.seed):
-                print(f"  {name:<22} {p.steps:>7} {p.replay_state:>13.2e} {p.baseline_state:>15.2e} {p.replay_output:>14.2e} {p.baseline_output:>16.2e}", flush=True)
+        points = measure_drift(spec, variants, steps=max(report_at), report_at=report_at, batch=args.batch, device=device, act_dtype=act, seed=args.seed)
+        for name, p in points:
+            print(f"  {name:<22} {p.steps:>7} {p.replay_state:>13.2e} {p.baseline_state:>15.2e} {p.replay_output:>14.2e} {p.baseline_output:>16.2e}", flush=True)
     return 0
 
 

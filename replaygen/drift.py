@@ -8,8 +8,8 @@ replaygen.precision).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
@@ -32,10 +32,18 @@ class DriftPoint:
     baseline_output: float
 
 
+@dataclass(frozen=True)
+class DriftVariant:
+    """One precision choice to run: its name, its shape (replaygen.precision) and the module built for it."""
+
+    name: str
+    shape: TargetShape
+    module: ModuleType
+
+
 def measure_drift(
-    module: ModuleType,
     spec: Spec,
-    shape: TargetShape,
+    variants: Sequence[DriftVariant],
     *,
     steps: int,
     report_at: tuple[int, ...],
@@ -43,35 +51,74 @@ def measure_drift(
     device: str | torch.device,
     act_dtype: torch.dtype,
     seed: int = 0,
-) -> Iterator[DriftPoint]:
-    """Replay and baseline decode of `module` from the same random states over `steps` steps of the same random
-    inputs (no gate, drawn on `device`), against the float64 recurrence on those inputs (on the same device); yields
-    a DriftPoint as each step count in `report_at` is reached."""
-    factory = InputFactory(spec, shape, device, act_dtype, seed, draw_on_device=True)
+) -> Iterator[tuple[str, DriftPoint]]:
+    """Replay and baseline decode of every variant (shapes of the same sizes) in lockstep over `steps` steps of the same
+    random inputs (no gate, drawn on `device`), against the float64 recurrence on those inputs (on the same device);
+    yields (variant name, DriftPoint) for every variant as each step count in `report_at` is reached.
+
+    All start from one random state, rounded to nearest into each variant's state dtype; variants of one state dtype
+    share one reference, so a run costs one float64 recurrence per state dtype, not per variant."""
+    if not variants:
+        raise ValueError("measure_drift needs at least one variant")
+    factory = InputFactory(spec, variants[0].shape, device, act_dtype, seed, draw_on_device=True)
     weights = factory.weights()
     slots = torch.arange(batch, dtype=torch.int32, device=device)
     rows = list(range(batch))
-    replay = module.allocate(batch, device, act_dtype)
-    baseline = module.allocate_baseline(batch, device)
-    rounding = baseline_rounding(module, batch, device, seed)
-    reference = Reference(spec, shape, batch, device)
-    start = factory.full_states(module, batch)
-    module.load(replay, slots, start)
-    baseline[rows] = start
-    load_reference(reference, rows, start)
-    worst_replay = worst_baseline = torch.zeros((), dtype=torch.float64, device=device)
+    start = factory.full_states(variants[0].module, batch)
+    references: dict[torch.dtype, Reference] = {}
+    runs = []
+    for variant in variants:
+        module = variant.module
+        own_start = _in_state_dtype(module, start)
+        if module.STATE_DTYPE not in references:
+            references[module.STATE_DTYPE] = Reference(spec, variant.shape, batch, device)
+            load_reference(references[module.STATE_DTYPE], rows, own_start)
+        replay = module.allocate(batch, device, act_dtype)
+        module.load(replay, slots, own_start)
+        baseline = module.allocate_baseline(batch, device)
+        baseline[rows] = own_start
+        runs.append(_DriftRun(variant, references[module.STATE_DTYPE], replay, baseline, baseline_rounding(module, batch, device, seed)))
     for step in range(1, steps + 1):
         inputs = factory.step(batch, use_gate=False)
-        y_ref = reference.decode(rows, inputs, weights)
-        y_rep = module.decode(replay, slots, **inputs, **weights)
-        y_base = module.baseline_decode(baseline, slots, **inputs, **weights, **rounding)
-        worst_replay = torch.maximum(worst_replay, _worst_row_head(y_rep, y_ref))
-        worst_baseline = torch.maximum(worst_baseline, _worst_row_head(y_base, y_ref))
+        y_ref = {dtype: reference.decode(rows, inputs, weights) for dtype, reference in references.items()}
+        for run in runs:
+            module, ref = run.variant.module, y_ref[run.variant.module.STATE_DTYPE]
+            run.worst_replay = torch.maximum(run.worst_replay, _worst_row_head(module.decode(run.replay, slots, **inputs, **weights), ref))
+            y_base = module.baseline_decode(run.baseline, slots, **inputs, **weights, **run.rounding)
+            run.worst_baseline = torch.maximum(run.worst_baseline, _worst_row_head(y_base, ref))
         if step in report_at:
-            replayed = module.materialize(replay, slots, **materialize_weights(spec, shape, weights))
-            state_error = state_errors(reference, replayed, rows)[0]
-            yield DriftPoint(step, state_error, state_errors(reference, baseline, rows)[0], float(worst_replay), float(worst_baseline))
-            worst_replay = worst_baseline = torch.zeros_like(worst_replay)
+            for run in runs:
+                module = run.variant.module
+                replayed = module.materialize(run.replay, slots, **materialize_weights(spec, run.variant.shape, weights))
+                point = DriftPoint(
+                    step,
+                    state_errors(run.reference, replayed, rows)[0],
+                    state_errors(run.reference, run.baseline, rows)[0],
+                    float(run.worst_replay),
+                    float(run.worst_baseline),
+                )
+                run.worst_replay = run.worst_baseline = torch.zeros_like(run.worst_replay)
+                yield run.variant.name, point
+
+
+@dataclass
+class _DriftRun:
+    """One variant's states during a drift run, and the worst outputs since the last report."""
+
+    variant: DriftVariant
+    reference: Reference
+    replay: object
+    baseline: object
+    rounding: dict
+    worst_replay: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
+    worst_baseline: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
+
+
+def _in_state_dtype(module: ModuleType, states: object) -> object:
+    """Full states (a tensor, or a module's SlotStates) with the state rounded to nearest into `module`'s STATE_DTYPE."""
+    if isinstance(states, torch.Tensor):
+        return states.to(module.STATE_DTYPE)
+    return module.SlotStates(states.state.to(module.STATE_DTYPE), *(getattr(states, name) for name, _ in module.CARRIED))
 
 
 def _worst_row_head(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:

@@ -6,12 +6,13 @@ states are checked on the GPU; float16 converts round to nearest in both places.
 
 import re
 from dataclasses import replace
+from functools import partial
 
 import pytest
 import torch
 
 from replaygen.configs import BucketConfig, KernelConfig, KernelKind
-from replaygen.drift import measure_drift
+from replaygen.drift import DriftVariant, measure_drift
 from replaygen.harness import InputFactory, check_decode, check_speculative
 from replaygen.plan import state_identity
 from replaygen.precision import precision_variant
@@ -267,12 +268,24 @@ def test_drift_replay_rounds_less_often_than_the_baseline():
     the baseline that writes it every step; float32 buffers make GDN's replay state as exact as its float32 baseline."""
     spec = spec_named("mamba2")
     shape = precision_variant(spec, SHAPE, "float16")
-    (point,) = measure_drift(load_kernels(spec, shape), spec, shape, steps=24, report_at=(24,), batch=2, device=DEVICE, act_dtype=torch.bfloat16)
+    ((_, point),) = measure_drift(spec, [DriftVariant("float16", shape, load_kernels(spec, shape))], steps=24, report_at=(24,), batch=2, device=DEVICE, act_dtype=torch.bfloat16)
     assert point.steps == 24 and 0 < point.replay_state < point.baseline_state < 3e-3
     gdn = spec_named("gdn")
     wide = precision_variant(gdn, SHAPE, "float32-buffers")
-    (point,) = measure_drift(load_kernels(gdn, wide), gdn, wide, steps=8, report_at=(8,), batch=2, device=DEVICE, act_dtype=torch.bfloat16)
+    ((_, point),) = measure_drift(gdn, [DriftVariant("float32-buffers", wide, load_kernels(gdn, wide))], steps=8, report_at=(8,), batch=2, device=DEVICE, act_dtype=torch.bfloat16)
     assert point.replay_state < 1e-5 and point.baseline_state < 1e-5
+
+
+def test_drift_variants_in_lockstep_measure_what_each_measures_alone():
+    """Variants run together (sharing inputs, and a reference per state dtype) report what each reports run alone."""
+    spec = spec_named("mamba2")
+    names = ("float32", "bfloat16", "bfloat16-stochastic")
+    variants = [DriftVariant(name, shape, load_kernels(spec, shape)) for name in names for shape in [precision_variant(spec, SHAPE, name)]]
+    run = partial(measure_drift, spec, steps=6, report_at=(3, 6), batch=2, device=DEVICE, act_dtype=torch.bfloat16)
+    together = list(run(variants))
+    assert [name for name, _ in together] == [*names, *names] and [p.steps for _, p in together] == [3] * 3 + [6] * 3
+    assert [p for name, p in together if name == "float32"] == [p for _, p in run(variants[:1])]
+    assert all(0 < p.replay_state < 1e-2 for _, p in together)
 
 
 def test_drift_command(capsys):
