@@ -210,6 +210,24 @@ def test_a_stochastic_baseline_needs_its_streams(stochastic):
             module.allocate_rounding(2, DEVICE, seed)
 
 
+def test_stochastic_streams_serve_every_build_of_their_shape(stochastic):
+    """The tuner times candidate builds of one shape (other launch configs) on one workload's streams: they take them;
+    streams of another shape (other heads) are refused by name."""
+    spec, shape, module = stochastic
+    factory = InputFactory(spec, shape, DEVICE, torch.bfloat16, 3)
+    slots = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
+    step, weights = factory.step(2), factory.weights()
+    rounding = module.allocate_rounding(2, DEVICE, seed=4)
+    candidate = load_kernels(spec, shape, {KernelKind.BASELINE_DECODE: (BucketConfig(None, KernelConfig(block_v=8, num_warps=2)),)})
+    states = [m.allocate_baseline(2, DEVICE) for m in (module, candidate)]
+    for m, state in zip((module, candidate), states):
+        m.baseline_decode(state, slots, **step, **weights, rounding=rounding)
+    assert rounding.steps.eq(2).all()
+    wider = load_kernels(spec, replace(shape, name="wider", heads=2 * shape.heads))
+    with pytest.raises(ValueError, match=r"rounding streams .* are another module's"):
+        module.baseline_decode(states[0], slots, **step, **weights, rounding=wider.allocate_rounding(2, DEVICE))
+
+
 @pytest.mark.parametrize("spec_name", ["mamba2", "gdn"])
 def test_stochastic_state_every_kernel(spec_name):
     spec = spec_named(spec_name)
