@@ -19,7 +19,6 @@ from replaygen.reference import Reference
 from replaygen.spec.model import Spec, TargetShape
 
 
-
 @dataclass(frozen=True)
 class DriftPoint:
     """Errors after `steps` decode steps: states (relative, all rows) and the worst output row-head (relative) seen
