@@ -193,7 +193,7 @@ class ModulePlan:
     # stochastic rounding of a 16-bit state: its mantissa bits and the lowest float32 exponent field rounded on the
     # state dtype's own grid (None: every state store rounds to nearest)
     stochastic_rounding: StochasticGrid | None
-    rounding_row_stride: int  # the random streams' counters per state row: key_dim rounded up to a multiple of 4
+    rounding_row_stride: int  # the random streams' counters per state row: key_dim rounded up to a multiple of 8
     # API
     roles: Roles
     step_inputs: tuple[TensorArg, ...]
@@ -310,7 +310,7 @@ def plan_module(
         exclusive_pairs=exclusive_pairs(spec, step_inputs),
         fold_leftovers_in_memory=leftovers_in_memory(spec),
         stochastic_rounding=STOCHASTIC_GRIDS[shape.state_dtype] if shape.rounding is Rounding.STOCHASTIC else None,
-        rounding_row_stride=-(-shape.key_dim // 4) * 4,
+        rounding_row_stride=-(-shape.key_dim // 8) * 8,
         roles=roles(spec, shape.rank > 1),
         step_inputs=step_inputs,
         weights=weights,

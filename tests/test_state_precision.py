@@ -161,9 +161,9 @@ def test_stochastic_rounding_is_reproducible_and_fresh(stochastic):
 
 @pytest.mark.parametrize("key_dim", [16, 20], ids=["key-dim-16", "key-dim-20-padded"])
 def test_stochastic_bits_do_not_depend_on_the_programs_block_of_rows(key_dim):
-    """One Philox call serves four consecutive key positions of a row: the bits of every value are the same whatever
+    """One Philox call serves eight consecutive key positions of a row: the bits of every value are the same whatever
     block of value rows and warps a program runs, also where key_dim is not a multiple of the tile (a row's counters
-    are key_dim rounded up to a multiple of 4; the tile's padded columns are never stored), and the rounding still
+    are key_dim rounded up to a multiple of 8; the tile's padded columns are never stored), and the rounding still
     goes up and down across the state."""
     spec = spec_named("mamba2")
     shape = replace(SHAPE, value_dim=16, key_dim=key_dim, state_dtype=DType.BFLOAT16, rounding=Rounding.STOCHASTIC)
