@@ -84,12 +84,12 @@ def test_bad_arguments_are_refused(argv, message, capsys):
 
 
 def test_our_shapes_at_each_state_dtype():
-    """float32: nemotron-h; bfloat16: the shipped stochastic nemotron-h-bf16 and nemotron-h rounded to nearest;
-    float16: nemotron-h rounded to nearest (the last two precision variants, as `replaygen drift` builds them)."""
+    """float32: nemotron-h; bfloat16: the shipped nemotron-h-bf16 (stochastic) and nemotron-h-bf16-nearest; float16:
+    nemotron-h rounded to nearest (a precision variant, as `replaygen drift` builds it)."""
     got = {state: [(s.name, s.state_dtype, s.rounding) for s in vs.our_shapes(MAMBA2, state, reduce=False)] for state in vs.STATES}
     assert got == {
         "float32": [("nemotron-h", DType.FLOAT32, Rounding.NEAREST)],
-        "bfloat16": [("nemotron-h-bf16", DType.BFLOAT16, Rounding.STOCHASTIC), ("nemotron-h-bfloat16", DType.BFLOAT16, Rounding.NEAREST)],
+        "bfloat16": [("nemotron-h-bf16", DType.BFLOAT16, Rounding.STOCHASTIC), ("nemotron-h-bf16-nearest", DType.BFLOAT16, Rounding.NEAREST)],
         "float16": [("nemotron-h-float16", DType.FLOAT16, Rounding.NEAREST)],
     }
     reduced = vs.our_shapes(MAMBA2, "bfloat16", reduce=True)[1]

@@ -11,10 +11,10 @@ their default heuristic (vLLM's row says which). Their state is rounded to neare
 `cvt.rs.f16x2.f32`, a Blackwell-only PTX convert, and is not timed on Hopper (H100, H200).
 
 replaygen's rows, from specs/mamba2.yaml: float32 state `nemotron-h`; bfloat16 state `nemotron-h-bf16` (stochastic
-rounding, shipped) and `nemotron-h-bfloat16` (round to nearest); float16 state `nemotron-h-float16` (round to
-nearest). The round-to-nearest shapes are `replaygen.precision.precision_variant`s of nemotron-h (as `replaygen drift
---variants` builds them); a shape's module is the one built for --gpu in --generated where it exists, else rendered
-from the spec with the documented default configs (`runtime.load_kernels`, as `replaygen drift` does).
+rounding) and `nemotron-h-bf16-nearest` (round to nearest), both shipped; float16 state `nemotron-h-float16` (round to
+nearest), a `replaygen.precision.precision_variant` of nemotron-h (as `replaygen drift --variants` builds it); a
+shape's module is the one built for --gpu in --generated where it exists, else rendered from the spec with the
+documented default configs (`runtime.load_kernels`, as `replaygen drift` does).
 
 Mapping (`vllm_args`): H heads of P values, G key groups of N keys; vLLM's Nemotron-H decode call:
     state  [slots, H, P, N]  the layer's states at the state dtype (replaygen's value_key layout, [H, P, N] a slot);
@@ -89,7 +89,7 @@ STATES = ("float32", "bfloat16", "float16")
 # as the spec gives it).
 OURS = {
     "float32": (("nemotron-h", None),),
-    "bfloat16": (("nemotron-h-bf16", None), ("nemotron-h", "bfloat16")),
+    "bfloat16": (("nemotron-h-bf16", None), ("nemotron-h-bf16-nearest", None)),
     "float16": (("nemotron-h", "float16"),),
 }
 ACT, ACT_DTYPE = torch.bfloat16, DType.BFLOAT16  # the activations timed and checked
