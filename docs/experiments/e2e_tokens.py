@@ -466,14 +466,15 @@ def measure(case: ModelCase, path: DecodePath, model, prompts, args, clock: Cloc
     return Measured(row, decoded.tokens)
 
 
+def cell(value: float | None, text: str) -> str:
+    """`value` formatted by `text`, or "-" where there is none."""
+    return "-" if value is None else text.format(value)
+
+
 def format_table(rows: list[Row]) -> str:
     """The rows as a markdown table; `vs hf` is tokens/s over the HF path's at the same model and batch; `w/o
     drafter` is tokens/s with the drafter's host time taken out of the decode time."""
     hf = {(r.model, r.batch): r.tokens_per_s for r in rows if r.path == "hf"}
-
-    def cell(value: float | None, text: str) -> str:
-        return "-" if value is None else text.format(value)
-
     lines = [
         "| model | batch | path | tokens/s | vs hf | tokens/step | drafter | w/o drafter | recurrent share | step ms | recurrent kernels eager / graph ms | same as hf |",
         "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -556,7 +557,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
                     row = measured.row
                     rows.append(row)
                     print(f"{case.name} b{batch} {path.name}: {row.tokens_per_s:,.0f} tokens/s, {row.tokens_per_step:.2f} tokens/step; "
-                          f"graph: {row.graph_note}; modules: {row.modules}", flush=True)
+                          f"recurrent share {cell(row.recurrent_share, '{:.0%}')} of a {cell(row.step_ms, '{:.2f}')} ms step; recurrent kernels eager / graph "
+                          f"{cell(row.graph_eager_ms, '{:.3f}')} / {cell(row.graph_ms, '{:.3f}')} ms ({row.graph_note}); modules: {row.modules}", flush=True)
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
             del model
