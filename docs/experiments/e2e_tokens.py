@@ -33,6 +33,11 @@ conv and recurrence calls of every layer, recorded from a real step) are capture
 same calls run eagerly; the end-to-end steps themselves run eagerly (HF's DynamicCache grows a tensor per step, which a
 captured whole-model step cannot do without HF's StaticCache path and a runtime built around it).
 
+The step's profile: --profile-steps more steps of the same kind under torch.profiler: the device kernels a step
+launches, the device's busy time per step (the kernels' own times summed, so an eager step's host gaps are what
+remains of its step time) and the kernels of most device time; a step bound by the host launches many kernels into
+an idle device.
+
     python docs/experiments/e2e_tokens.py --gpu h200 --out e2e_tokens.json
     python docs/experiments/e2e_tokens.py --gpu h200 --repeat-prompt --paths replay,replay-t2,replay-t4
     python docs/experiments/e2e_tokens.py --tiny --device cpu --batch 2 --new-tokens 3 --repeats 1   # a CPU check
@@ -152,6 +157,9 @@ class Row:
     graph_eager_ms: float | None
     graph_ms: float | None
     graph_note: str
+    kernels_per_step: float | None
+    busy_ms: float | None
+    top_kernels: str
     same_as_hf: float | None
     modules: str
 
@@ -299,6 +307,37 @@ def recurrent_share(step: Callable[[], None], recurrent: list[tuple[object, tupl
     return Share(sum(clock.ms(start, end) for start, end in calls) / total, total / steps)
 
 
+@dataclass(frozen=True)
+class StepProfile:
+    """A step's device kernels (per step), the device's busy time per step (ms) and its TOP_KERNELS kernels of most
+    device time ("name xcount ms", per step), or None and an empty text without a CUDA device."""
+
+    kernels: float | None
+    busy_ms: float | None
+    top: str
+
+
+TOP_KERNELS = 3
+
+
+def profile_steps(step: Callable[[], None], steps: int, device) -> StepProfile:
+    """`steps` calls of `step` (after one warm-up) under torch.profiler, its device kernels summed per step."""
+    import torch
+
+    step()
+    if device.type != "cuda" or steps < 1:
+        return StepProfile(None, None, "")
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profiler:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = [event for event in profiler.key_averages() if event.device_type == torch.autograd.DeviceType.CUDA]
+    ranked = sorted(kernels, key=lambda event: -event.self_device_time_total)[:TOP_KERNELS]
+    top = "; ".join(f"{event.key[:48]} x{event.count / steps:g} {event.self_device_time_total / steps / 1e3:.3f}" for event in ranked)
+    return StepProfile(sum(event.count for event in kernels) / steps, sum(event.self_device_time_total for event in kernels) / steps / 1e3, top)
+
+
 def hf_share(case: ModelCase, model, prompts, steps: int, clock: Clock) -> Share:
     """The recurrent share of HF's own decode step: its modeling module's conv and recurrence functions."""
     return recurrent_share(HFSteps(model, prompts), [(sys.modules[type(model).__module__], case.hf_recurrence)], steps, clock)
@@ -439,6 +478,7 @@ def measure(case: ModelCase, path: DecodePath, model, prompts, args, clock: Cloc
             return hf_generate(model, prompts, n)
 
         share = hf_share(case, model, prompts, args.share_steps, clock)
+        profile = profile_steps(HFSteps(model, prompts), args.profile_steps, prompts.device)
         graph, modules = GraphTiming(None, None, "HF's path"), f"HF ({hf_ops()})"
     else:
         runtime = attach(model, path.capacity, path.window, args.gpu, path.kernels)
@@ -448,6 +488,7 @@ def measure(case: ModelCase, path: DecodePath, model, prompts, args, clock: Cloc
             return Decoded(out.tokens, out.steps)
 
         share = runtime_share(runtime, prompts, path.drafts + 1, args.share_steps, clock)
+        profile = profile_steps(SessionSteps(runtime, prompts, path.drafts + 1), args.profile_steps, prompts.device)
         if path.drafts or args.no_graph:
             graph = GraphTiming(None, None, "not tried" if args.no_graph else "verify steps: not captured")
         else:
@@ -461,7 +502,7 @@ def measure(case: ModelCase, path: DecodePath, model, prompts, args, clock: Cloc
     row = Row(
         case.name, path.name, batch, new, decode_s, batch * new / decode_s, new / max(decoded.steps, 1),
         drafter.seconds / decode_s if path.drafts else None, share.recurrent, share.step_ms,
-        graph.eager_ms, graph.graph_ms, graph.note, same, modules,
+        graph.eager_ms, graph.graph_ms, graph.note, profile.kernels, profile.busy_ms, profile.top, same, modules,
     )
     return Measured(row, decoded.tokens)
 
@@ -476,8 +517,8 @@ def format_table(rows: list[Row]) -> str:
     drafter` is tokens/s with the drafter's host time taken out of the decode time."""
     hf = {(r.model, r.batch): r.tokens_per_s for r in rows if r.path == "hf"}
     lines = [
-        "| model | batch | path | tokens/s | vs hf | tokens/step | drafter | w/o drafter | recurrent share | step ms | recurrent kernels eager / graph ms | same as hf |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | batch | path | tokens/s | vs hf | tokens/step | drafter | w/o drafter | recurrent share | step ms | kernels/step | device busy ms | recurrent kernels eager / graph ms | same as hf |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         ratio = r.tokens_per_s / hf[(r.model, r.batch)] if (r.model, r.batch) in hf else None
@@ -485,7 +526,8 @@ def format_table(rows: list[Row]) -> str:
         undrafted = None if r.drafter_share is None else r.tokens_per_s / (1 - r.drafter_share)
         lines.append(
             f"| {r.model} | {r.batch} | {r.path} | {r.tokens_per_s:,.0f} | {cell(ratio, '{:.2f}x')} | {r.tokens_per_step:.2f} | "
-            f"{cell(r.drafter_share, '{:.0%}')} | {cell(undrafted, '{:,.0f}')} | {cell(r.recurrent_share, '{:.0%}')} | {cell(r.step_ms, '{:.2f}')} | {kernels} | "
+            f"{cell(r.drafter_share, '{:.0%}')} | {cell(undrafted, '{:,.0f}')} | {cell(r.recurrent_share, '{:.0%}')} | {cell(r.step_ms, '{:.2f}')} | "
+            f"{cell(r.kernels_per_step, '{:.0f}')} | {cell(r.busy_ms, '{:.2f}')} | {kernels} | "
             f"{cell(r.same_as_hf, '{:.0%}')} |"
         )
     return "\n".join(lines)
@@ -503,6 +545,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeat-prompt", action="store_true", help=f"prompts of a random {SEGMENT}-token segment repeated (prompt lookup can match)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per measurement, after one warm-up (default 3)")
     parser.add_argument("--share-steps", type=int, default=8, help="steps timed for the recurrent share (default 8)")
+    parser.add_argument("--profile-steps", type=int, default=4, help="steps under torch.profiler per path (default 4; 0: none)")
     parser.add_argument("--graph-repeats", type=int, default=20, help="timings of the recurrent kernels, eager and graph (default 20)")
     parser.add_argument("--no-graph", action="store_true", help="skip the CUDA graph of the recurrent kernels")
     parser.add_argument("--gpu", default="h200", help="tuning records for attach (default h200; 'none': documented defaults)")
@@ -558,7 +601,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
                     rows.append(row)
                     print(f"{case.name} b{batch} {path.name}: {row.tokens_per_s:,.0f} tokens/s, {row.tokens_per_step:.2f} tokens/step; "
                           f"recurrent share {cell(row.recurrent_share, '{:.0%}')} of a {cell(row.step_ms, '{:.2f}')} ms step; recurrent kernels eager / graph "
-                          f"{cell(row.graph_eager_ms, '{:.3f}')} / {cell(row.graph_ms, '{:.3f}')} ms ({row.graph_note}); modules: {row.modules}", flush=True)
+                          f"{cell(row.graph_eager_ms, '{:.3f}')} / {cell(row.graph_ms, '{:.3f}')} ms ({row.graph_note}); {cell(row.kernels_per_step, '{:.0f}')} kernels "
+                          f"a step, device busy {cell(row.busy_ms, '{:.2f}')} ms ({row.top_kernels or 'no device profile'}); modules: {row.modules}", flush=True)
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
             del model
@@ -567,7 +611,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     print(f"\nrecurrent share: {'CUDA events' if clock.cuda else 'host clock marks'} around the recurrent layers' conv and recurrence "
           f"calls (and a window's commit) over marks around each step ({args.share_steps} steps; a verify + commit of a whole window for "
           "-t paths). recurrent kernels eager / graph: one decode step's recurrent calls, eager and as a captured CUDA graph (medians); "
-          "the end-to-end steps run eagerly (HF's DynamicCache grows per step).")
+          f"the end-to-end steps run eagerly (HF's DynamicCache grows per step). kernels/step, device busy ms: {args.profile_steps} steps "
+          "under torch.profiler, the device kernels launched and their own times summed, per step.")
     if args.out:
         setup = {key: value for key, value in vars(args).items() if key not in ("models", "paths", "out")}
         setup.update(models=[case.name for case in args.models], paths=[asdict(path) for path in args.paths], prompts=prompt_kind, hf_ops=hf_ops())
