@@ -321,12 +321,13 @@ TOP_KERNELS = 3
 
 
 def profile_steps(step: Callable[[], None], steps: int, device) -> StepProfile:
-    """`steps` calls of `step` (after one warm-up) under torch.profiler, its device kernels summed per step."""
+    """`steps` calls of `step` (after one warm-up) under torch.profiler, its device kernels (copies and fills
+    included) summed per step; nothing runs without a CUDA device or with `steps` 0."""
     import torch
 
-    step()
     if device.type != "cuda" or steps < 1:
         return StepProfile(None, None, "")
+    step()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as profiler:
         for _ in range(steps):
