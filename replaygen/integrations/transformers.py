@@ -570,11 +570,13 @@ class ReplayRuntime:
         return layer.module.conv(state, slots, inputs.contiguous(), weight, conv1d.bias)
 
     def run_recurrence(self, layer: RecurrentLayer, inputs: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The recurrence of `layer` on inputs [b, s, ...] -> [b, s, heads, value_dim]: decode (s = 1) or verify."""
+        """The recurrence of `layer` on inputs [b, s, ...] -> [b, s, heads, value_dim]: decode (s = 1) or verify. The
+        inputs are HF's projections split and reshaped, views whose last dimension is contiguous: the kernels read
+        their strides, so nothing is copied."""
         states = self.session.recurrent[layer.index]
         if self.mode is Mode.DECODE:
-            return states.decode({k: v[:, 0].contiguous() for k, v in inputs.items()}, weights)[:, None]
-        return states.verify({k: v.contiguous() for k, v in inputs.items()}, weights)
+            return states.decode({k: v[:, 0] for k, v in inputs.items()}, weights)[:, None]
+        return states.verify(inputs, weights)
 
     # --- decoding -------------------------------------------------------------------------------------------
     @contextlib.contextmanager
