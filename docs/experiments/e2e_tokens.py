@@ -320,13 +320,14 @@ class StepProfile:
 TOP_KERNELS = 3
 
 
-def profile_steps(step: Callable[[], None], steps: int, device) -> StepProfile:
-    """`steps` calls of `step` (after one warm-up) under torch.profiler, its device kernels (copies and fills
-    included) summed per step; nothing runs without a CUDA device or with `steps` 0."""
+def profile_steps(make_step: Callable[[], Callable[[], None]], steps: int, device) -> StepProfile:
+    """`steps` calls of the step `make_step` builds (after one warm-up) under torch.profiler, its device kernels
+    (copies and fills included) summed per step; nothing is built or run without a CUDA device or with `steps` 0."""
     import torch
 
     if device.type != "cuda" or steps < 1:
         return StepProfile(None, None, "")
+    step = make_step()
     step()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as profiler:
@@ -479,7 +480,7 @@ def measure(case: ModelCase, path: DecodePath, model, prompts, args, clock: Cloc
             return hf_generate(model, prompts, n)
 
         share = hf_share(case, model, prompts, args.share_steps, clock)
-        profile = profile_steps(HFSteps(model, prompts), args.profile_steps, prompts.device)
+        profile = profile_steps(lambda: HFSteps(model, prompts), args.profile_steps, prompts.device)
         graph, modules = GraphTiming(None, None, "HF's path"), f"HF ({hf_ops()})"
     else:
         runtime = attach(model, path.capacity, path.window, args.gpu, path.kernels)
@@ -489,7 +490,7 @@ def measure(case: ModelCase, path: DecodePath, model, prompts, args, clock: Cloc
             return Decoded(out.tokens, out.steps)
 
         share = runtime_share(runtime, prompts, path.drafts + 1, args.share_steps, clock)
-        profile = profile_steps(SessionSteps(runtime, prompts, path.drafts + 1), args.profile_steps, prompts.device)
+        profile = profile_steps(lambda: SessionSteps(runtime, prompts, path.drafts + 1), args.profile_steps, prompts.device)
         if path.drafts or args.no_graph:
             graph = GraphTiming(None, None, "not tried" if args.no_graph else "verify steps: not captured")
         else:
